@@ -1,0 +1,392 @@
+"""What shmstaged accepts as configuration, and how it refuses what it does not.
+
+Every rejection must name the key, the value and what is allowed, because the operator reads
+it in `journalctl -u shmstaged` after the daemon refused to start.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from shmstage_daemon.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    ShmCapacity,
+    load_config,
+    measure_shm,
+    peer_groups,
+    resolve_budget,
+)
+
+from shmstage import paths
+from shmstage.paths import default_socket_path
+from shmstage.units import format_size, parse_size
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "systemd" / "shmstaged.toml"
+# Keys whose value in the example deliberately differs from the built-in default: the
+# packaged service listens on the system socket and admits the shmstage group.
+PACKAGED_SETTINGS = {("server", "socket_path"), ("server", "allowed_groups")}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "shmstaged.toml"
+    path.write_text(text)
+    return path
+
+
+def rejection(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("512B", 512),
+        ("4KiB", 4 << 10),
+        ("64 MiB", 64 << 20),
+        ("64GiB", 64 << 30),
+        ("64gib", 64 << 30),
+        ("2TiB", 2 << 40),
+        ("1.5GiB", 3 << 29),
+        ("4KB", 4000),
+        ("64MB", 64_000_000),
+        ("1GB", 10**9),
+    ],
+)
+def test_parse_size_understands_binary_and_decimal_units(text: int | str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "64G", "64 gigs", "-1", -1, "1.5B", True, 1.5])
+def test_parse_size_rejects_ambiguous_or_malformed_sizes(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)  # type: ignore[arg-type]
+
+
+def test_format_size_is_readable() -> None:
+    assert format_size(512) == "512 B"
+    assert format_size(64 << 30) == "64.0 GiB"
+
+
+# ---------------------------------------------------------------------------- socket path
+
+
+def test_default_socket_path_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", tmp_path / "absent.sock")
+    explicit = {"SHMSTAGE_SOCKET": "/srv/s.sock", "XDG_RUNTIME_DIR": "/run/user/1000"}
+    assert default_socket_path(environ=explicit, uid=0) == Path("/srv/s.sock")
+    assert default_socket_path(environ={}, uid=0) == tmp_path / "absent.sock"
+    assert default_socket_path(environ={"XDG_RUNTIME_DIR": "/run/user/1000"}, uid=1000) == Path(
+        "/run/user/1000/shmstage/shmstaged.sock"
+    )
+    assert default_socket_path(environ={}, uid=1000) == Path("/tmp/shmstage-1000/shmstaged.sock")
+
+
+def test_clients_find_the_system_socket_but_a_user_daemon_does_not_take_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    system = tmp_path / "shmstaged.sock"
+    system.touch()
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", system)
+    env = {"XDG_RUNTIME_DIR": "/run/user/1000"}
+    assert default_socket_path(environ=env, uid=1000) == system
+    assert default_socket_path(environ=env, uid=1000, prefer_system=False) == Path(
+        "/run/user/1000/shmstage/shmstaged.sock"
+    )
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def test_without_a_file_the_defaults_apply() -> None:
+    if DEFAULT_CONFIG_PATH.exists():
+        pytest.skip(f"{DEFAULT_CONFIG_PATH} exists on this machine")
+    config = load_config(None)
+    assert config == Config()
+    assert config.source is None
+    assert config.writer_threads == 4
+    assert config.fsync == "always"
+    assert config.default_slots == 2
+    assert config.shutdown_timeout == 60.0
+    assert config.metrics_port is None
+    assert config.max_bytes is None
+    assert config.log_level == "info"
+    assert config.log_format == "text"
+    assert config.allowed_users == {os.getuid(), 0}
+    assert config.allowed_groups == frozenset()
+    assert config.socket_path == default_socket_path(prefer_system=False)
+    # "80%" of the real /dev/shm.
+    assert config.shm_budget_bytes == int(measure_shm().shm_total * 0.8)
+
+
+def test_a_complete_file_is_read_into_typed_values(tmp_path: Path) -> None:
+    gid = os.getgid()
+    config = load_config(
+        write(
+            tmp_path,
+            f"""
+            [server]
+            socket_path = "/run/test/shmstaged.sock"
+            allowed_users = ["root", 4242]
+            allowed_groups = [{gid}, "{gid}"]
+            shutdown_timeout = 12.5
+            metrics_port = 9464
+
+            [limits]
+            shm_budget = "1MiB"
+            max_bytes = "512KiB"
+            max_segments = 100
+            max_layouts = 3
+            max_jobs = 2
+            default_slots = 3
+
+            [storage]
+            writer_threads = 16
+            fsync = "never"
+
+            [log]
+            level = "DEBUG"
+            format = "json"
+            """,
+        )
+    )
+    assert config.source == tmp_path / "shmstaged.toml"
+    assert config.socket_path == Path("/run/test/shmstaged.sock")
+    assert config.allowed_users == {0, 4242, os.getuid()}
+    assert config.allowed_groups == {gid}
+    assert config.shutdown_timeout == 12.5
+    assert config.metrics_port == 9464
+    assert config.shm_budget_bytes == 1 << 20
+    assert config.max_bytes == 512 << 10
+    assert (config.max_segments, config.max_layouts, config.max_jobs) == (100, 3, 2)
+    assert config.default_slots == 3
+    assert config.writer_threads == 16
+    assert config.fsync == "never"
+    assert (config.log_level, config.log_format) == ("debug", "json")
+    assert config.warnings == ()
+
+
+def test_unknown_key_is_named_with_its_table_and_the_allowed_keys(tmp_path: Path) -> None:
+    message = rejection(tmp_path, "[limits]\nmax_job = 3\n")
+    assert message == (
+        f"{tmp_path / 'shmstaged.toml'}: unknown key [limits] max_job (allowed: shm_budget, "
+        "max_bytes, max_segments, max_layouts, max_jobs, default_slots); did you mean max_jobs?"
+    )
+
+
+def test_unknown_table_and_top_level_keys_are_rejected(tmp_path: Path) -> None:
+    message = rejection(tmp_path, 'writer_threads = 4\n[storge]\nfsync = "never"\n')
+    assert "unknown table [writer_threads] (allowed: server, limits, storage, log)" in message
+    assert "unknown table [storge]" in message
+    assert "did you mean storage?" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[limits]\nmax_jobs = "x"\n', '[limits] max_jobs = "x": expected an integer ≥ 1'),
+        ("[limits]\nmax_jobs = 0\n", "[limits] max_jobs = 0: expected an integer ≥ 1"),
+        ("[limits]\nmax_segments = true\n", "[limits] max_segments = true: expected an integer"),
+        ("[limits]\ndefault_slots = 9\n", "default_slots = 9: expected an integer from 1 to 8"),
+        ("[storage]\nwriter_threads = 0\n", "writer_threads = 0: expected an integer from 1 to 64"),
+        (
+            "[storage]\nwriter_threads = 4.0\n",
+            "writer_threads = 4.0: expected an integer from 1 to 64",
+        ),
+        (
+            '[storage]\nfsync = "sometimes"\n',
+            'fsync = "sometimes": expected one of "always", "never"',
+        ),
+        ('[log]\nlevel = "trace"\n', '[log] level = "trace": expected one of "debug", "info"'),
+        ('[log]\nformat = "xml"\n', '[log] format = "xml": expected one of "text", "json"'),
+        ('[server]\nsocket_path = "run/s"\n', 'socket_path = "run/s": expected an absolute'),
+        ("[server]\nshutdown_timeout = 0\n", "shutdown_timeout = 0: expected a number of seconds"),
+        ("[server]\nmetrics_port = 70000\n", "metrics_port = 70000: expected a TCP port"),
+        ('[server]\nallowed_users = "root"\n', 'allowed_users = "root": expected a list of user'),
+        ('[limits]\nmax_bytes = "lots"\n', '[limits] max_bytes = "lots": expected bytes'),
+        ('[limits]\nshm_budget = "150%"\n', 'shm_budget = "150%": a percentage must be above 0%'),
+        ("[limits]\nshm_budget = 0\n", "[limits] shm_budget = 0: expected bytes"),
+        ("server = 3\n", "server = 3: expected a table [server]"),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_allowed(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    assert expected in rejection(tmp_path, text)
+
+
+def test_unknown_user_and_group_names_stop_the_daemon(tmp_path: Path) -> None:
+    message = rejection(
+        tmp_path,
+        '[server]\nallowed_users = ["no-such-user-x"]\nallowed_groups = ["no-such-group-x"]\n',
+    )
+    assert 'allowed_users = ["no-such-user-x"]: no such user "no-such-user-x"' in message
+    assert 'allowed_groups = ["no-such-group-x"]: no such group "no-such-group-x"' in message
+
+
+def test_every_problem_in_a_file_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, '[limits]\nmax_jobs = "x"\nmax_job = 1\n[log]\nlevel = 3\n'))
+    assert len(info.value.problems) == 3
+
+
+def test_budget_larger_than_dev_shm_is_refused(tmp_path: Path) -> None:
+    size = measure_shm().shm_total
+    message = rejection(tmp_path, '[limits]\nshm_budget = "1PiB"\n')
+    assert message.startswith(f"{tmp_path / 'shmstaged.toml'}: [limits] shm_budget = \"1PiB\": ")
+    assert f"exceeds the size of /dev/shm ({size} bytes" in message
+
+
+def test_budget_percentage_is_of_the_dev_shm_size() -> None:
+    cap = ShmCapacity(shm_total=64 << 30, shm_free=10 << 30, mem_available=100 << 30)
+    assert resolve_budget("50%", capacity=cap) == 32 << 30
+    assert resolve_budget("100%", capacity=cap) == 64 << 30
+    assert resolve_budget("16GiB", capacity=cap) == 16 << 30
+    assert resolve_budget(1 << 30, capacity=cap) == 1 << 30
+    with pytest.raises(ConfigError, match=r"\[limits\] shm_budget = 68719476737: .* exceeds"):
+        resolve_budget((64 << 30) + 1, capacity=cap)
+
+
+def test_capacity_is_limited_by_free_shm_and_available_memory() -> None:
+    assert ShmCapacity(shm_total=10, shm_free=8, mem_available=5).usable == 5
+    assert ShmCapacity(shm_total=10, shm_free=3, mem_available=5).usable == 3
+    live = measure_shm()
+    assert 0 <= live.shm_free <= live.shm_total
+    assert live.mem_available > 0
+
+
+def test_an_explicit_file_that_is_missing_is_an_error_not_the_defaults(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read configuration"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    message = rejection(tmp_path, "[limits\nmax_jobs = 1\n")
+    assert message.startswith(f"{tmp_path / 'shmstaged.toml'}: not valid TOML")
+
+
+# ---------------------------------------------------------------------------- overrides
+
+
+def test_command_line_overrides_are_validated_like_the_file(tmp_path: Path) -> None:
+    base = load_config(write(tmp_path, '[limits]\nshm_budget = "1MiB"\n'))
+    same = base.replace(log_level=None, writer_threads=None)  # flags not given
+    assert same == base
+    changed = base.replace(log_level="DEBUG", shm_budget="2MiB", socket_path="/tmp/x.sock")
+    assert changed.log_level == "debug"
+    assert changed.shm_budget_bytes == 2 << 20
+    assert changed.socket_path == Path("/tmp/x.sock")
+    assert changed.source == base.source
+    assert base.diff(changed) == {
+        "socket_path": (base.socket_path, Path("/tmp/x.sock")),
+        "shm_budget": ("1MiB", "2MiB"),
+        "log_level": ("info", "debug"),
+        "shm_budget_bytes": (1 << 20, 2 << 20),
+    }
+    with pytest.raises(ConfigError) as info:
+        base.replace(writer_threads=0, fsync="sometimes")
+    assert info.value.problems == [
+        "command line: writer_threads = 0: expected an integer from 1 to 64",
+        'command line: fsync = "sometimes": expected one of "always", "never"',
+    ]
+    with pytest.raises(ConfigError, match="command line: unknown setting threads"):
+        base.replace(threads=3)
+    with pytest.raises(ConfigError, match=r"command line: \[limits\] shm_budget .* exceeds"):
+        base.replace(shm_budget="1PiB")
+
+
+def test_config_is_immutable() -> None:
+    config = Config(shm_budget="1MiB")
+    with pytest.raises(AttributeError):
+        config.writer_threads = 8  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------- peers
+
+
+def test_peer_admission_by_user_primary_and_supplementary_group() -> None:
+    config = Config(shm_budget="1MiB", allowed_users=[4242], allowed_groups=[5151])
+    assert config.admits(uid=4242, gid=1, pid=None)
+    assert config.admits(uid=0, gid=1, pid=None)  # root is always admitted
+    assert config.admits(uid=os.getuid(), gid=1, pid=None)  # so is the daemon's own user
+    assert config.admits(uid=1000, gid=5151, pid=None)
+    assert not config.admits(uid=1000, gid=1000, pid=None)
+    assert not Config(shm_budget="1MiB").admits(uid=1000, gid=1000, pid=os.getpid())
+
+
+def test_supplementary_groups_are_read_from_proc() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("starting a process with chosen supplementary groups needs root")
+    peer = subprocess.Popen(
+        ["cat"],  # any process that waits; the venv's python may not be executable by nobody
+        stdin=subprocess.PIPE,
+        user=65534,
+        group=65534,
+        extra_groups=[5151, 6161],
+    )
+    try:
+        assert peer_groups(peer.pid) == {5151, 6161}
+        config = Config(shm_budget="1MiB", allowed_groups=[6161])
+        assert config.admits(uid=65534, gid=65534, pid=peer.pid)
+        assert not Config(shm_budget="1MiB", allowed_groups=[7171]).admits(
+            uid=65534, gid=65534, pid=peer.pid
+        )
+    finally:
+        peer.communicate(timeout=10)
+    # Gone: nothing to read, so only uid and primary gid count.
+    assert peer_groups(peer.pid) == frozenset()
+
+
+# ---------------------------------------------------------------------------- the example
+
+
+def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    document = tomllib.loads(text)
+    defaults = Config()
+    table_keys = {
+        "server": ["socket_path", "allowed_users", "allowed_groups", "shutdown_timeout",
+                   "metrics_port"],
+        "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
+                   "default_slots"],
+        "storage": ["writer_threads", "fsync"],
+        "log": ["level", "format"],
+    }
+    for table, keys in table_keys.items():
+        assert f"[{table}]" in text
+        for key in keys:
+            # Optional keys appear commented out ("# metrics_port = 9464").
+            assert f"{key} = " in text, f"[{table}] {key} is not documented in {EXAMPLE.name}"
+    for table, body in document.items():
+        for key, value in body.items():
+            if (table, key) in PACKAGED_SETTINGS:
+                continue
+            field = f"log_{key}" if table == "log" else key
+            if field == "allowed_users":
+                assert value == [] and defaults.allowed_users == {os.getuid(), 0}
+            else:
+                assert getattr(defaults, field) == value, f"[{table}] {key}"
+
+    # And the daemon accepts it. The shmstage group comes from sysusers.d; where it does not
+    # exist (a development machine), an existing group stands in for it.
+    try:
+        grp.getgrnam("shmstage")
+        path = EXAMPLE
+    except KeyError:
+        stand_in = grp.getgrgid(os.getgid()).gr_name
+        path = write(tmp_path, text.replace('["shmstage"]', f'["{stand_in}"]'))
+    config = load_config(path)
+    assert config.socket_path == paths.SYSTEM_SOCKET
