@@ -125,8 +125,7 @@ def _budget_spec(value: Any) -> int | str:
 
 
 _BUDGET_EXPECTED = (
-    'expected bytes (an integer ≥ 1 or a size like "64GiB") '
-    'or a percentage of /dev/shm like "80%"'
+    'expected bytes (an integer ≥ 1 or a size like "64GiB") or a percentage of /dev/shm like "80%"'
 )
 
 

@@ -260,4 +260,3 @@ def unix_stream_listener(
             continue
         return sock
     return None
-

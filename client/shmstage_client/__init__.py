@@ -1,0 +1,46 @@
+"""shmstage client: stage a trainer's state dict into shmstaged and load checkpoints back.
+
+from shmstage_client import Stager, load
+
+with Stager() as stager:
+    handle = stager.save(model_and_optimizer_state, "/ckpt/step-1000")  # copy only
+    ...                                                                # keep training
+    handle.wait()                                                      # durable
+state = load("/ckpt/step-1000")
+"""
+
+from shmstage.checkpoint import CheckpointError, ChecksumError
+from shmstage_client.errors import (
+    CheckpointExists,
+    DaemonLost,
+    DaemonRefused,
+    DaemonUnavailable,
+    PersistError,
+    SaveError,
+    SaveTimeout,
+    SlotUnavailable,
+    StagingLimitExceeded,
+    UnsupportedValue,
+)
+from shmstage_client.loading import load
+from shmstage_client.stager import SaveHandle, SaveResult, Stager
+
+__version__ = "0.1.0"
+__all__ = [
+    "CheckpointError",
+    "CheckpointExists",
+    "ChecksumError",
+    "DaemonLost",
+    "DaemonRefused",
+    "DaemonUnavailable",
+    "PersistError",
+    "SaveError",
+    "SaveHandle",
+    "SaveResult",
+    "SaveTimeout",
+    "SlotUnavailable",
+    "Stager",
+    "StagingLimitExceeded",
+    "UnsupportedValue",
+    "load",
+]

@@ -1,0 +1,283 @@
+"""The client's connection to shmstaged: requests out, frames and descriptors back.
+
+A reader thread owns the receiving side. It routes each frame to the request that is
+waiting for it (by request id) or, for ``job_done``, to the save handle's future. When the
+daemon goes away the reader fails every waiter at once with DaemonLost, so no caller ever
+blocks on a dead daemon; every wait also has its own timeout for a daemon that hangs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shmstage.paths import default_socket_path
+from shmstage.protocol import PROTOCOL_VERSION, Connection, Frame, ProtocolError, Role
+from shmstage_client.errors import (
+    DaemonLost,
+    DaemonRefused,
+    DaemonUnavailable,
+    SaveTimeout,
+    SlotUnavailable,
+    StagingLimitExceeded,
+)
+
+log = logging.getLogger("shmstage.client")
+_RECV_BYTES = 256 * 1024
+#: Socket timeout: bounds a send to a daemon that stopped reading; the reader just retries.
+_IO_TIMEOUT = 30.0
+
+
+def refusal(code: str, message: str) -> DaemonRefused:
+    if code == "no_free_slot":
+        return SlotUnavailable(code, message)
+    if code in ("shm_exhausted", "limit_exceeded"):
+        return StagingLimitExceeded(code, message)
+    return DaemonRefused(code, message)
+
+
+class DaemonConnection:
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        client_name: str = "shmstage-client",
+    ) -> None:
+        self.path = Path(socket_path) if socket_path is not None else default_socket_path()
+        self._sock = self._connect(connect_timeout)
+        self._conn = Connection(Role.CLIENT)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _waiting, _jobs, _lost, and sending
+        self._waiting: dict[int, queue.Queue[Frame | BaseException]] = {}
+        self._jobs: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self._lost: BaseException | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read_loop, name="shmstage-reader", daemon=True)
+        self._reader.start()
+        welcome = self.call(
+            "hello",
+            {"version": PROTOCOL_VERSION, "client": client_name, "pid": os.getpid()},
+            timeout=connect_timeout,
+        )
+        self.welcome = welcome.body
+
+    def _connect(self, timeout: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        where = f"cannot connect to shmstaged at {self.path}"
+        try:
+            sock.connect(str(self.path))
+        except FileNotFoundError:
+            sock.close()
+            raise DaemonUnavailable(
+                f"{where}: no such file — is the service running? systemctl status shmstaged "
+                "(or set SHMSTAGE_SOCKET / pass socket= to the daemon's --socket)"
+            ) from None
+        except ConnectionRefusedError:
+            sock.close()
+            raise DaemonUnavailable(
+                f"{where}: connection refused — the daemon that created this socket is gone; "
+                "start shmstaged (systemctl restart shmstaged)"
+            ) from None
+        except PermissionError:
+            sock.close()
+            raise DaemonUnavailable(
+                f"{where}: permission denied — add this user to the group that owns the "
+                "socket (usermod -aG shmstage $USER, then log in again)"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"{where}: {exc.strerror or exc}") from None
+        sock.settimeout(_IO_TIMEOUT)
+        return sock
+
+    # -- receiving -------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        error: BaseException
+        try:
+            while True:
+                try:
+                    data, fds, _flags, _addr = socket.recv_fds(
+                        self._sock, _RECV_BYTES, 253, socket.MSG_CMSG_CLOEXEC
+                    )
+                except TimeoutError:
+                    continue
+                self._conn.receive_data(data, fds)
+                try:
+                    while (frame := self._conn.next_frame()) is not None:
+                        self._route(frame)
+                except EOFError:
+                    error = DaemonLost(
+                        "connection closed by this client"
+                        if self._closing
+                        else f"shmstaged at {self.path} closed the connection (daemon stopped or "
+                        "restarted); in-flight saves have no confirmed result"
+                    )
+                    break
+        except ProtocolError as exc:
+            error = DaemonLost(f"shmstaged sent an invalid frame: {exc}")
+        except OSError as exc:
+            error = DaemonLost(
+                f"connection to shmstaged at {self.path} failed: {exc.strerror or exc}"
+                if not self._closing
+                else "connection closed by this client"
+            )
+        except BaseException as exc:  # never die silently: waiters must hear about it
+            error = DaemonLost(f"shmstage reader thread crashed: {exc!r}")
+        self._fail_all(error)
+
+    def _route(self, frame: Frame) -> None:
+        if frame.op == "error" and frame.body.get("fatal"):
+            raise_later = refusal(frame.body["code"], frame.body["message"])
+            with self._lock:
+                self._lost = raise_later
+            self._deliver(frame)
+            return
+        if frame.op == "job_done":
+            future = self._job_future(frame.body["job"])
+            if not future.done():
+                future.set_result(frame.body)
+            return
+        if frame.op == "committed":
+            self._job_future(frame.body["job"])  # exists before the caller can wait on it
+        self._deliver(frame)
+
+    def _deliver(self, frame: Frame) -> None:
+        with self._lock:
+            waiter = self._waiting.get(frame.id)
+        if waiter is None:
+            for fd in frame.fds:
+                os.close(fd)
+            if frame.op == "error":
+                log.warning("shmstaged: %s", frame.body.get("message"))
+            return
+        waiter.put(frame)
+
+    def _job_future(self, job: int) -> concurrent.futures.Future[dict[str, Any]]:
+        with self._lock:
+            future = self._jobs.get(job)
+            if future is None:
+                future = self._jobs[job] = concurrent.futures.Future()
+            return future
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            if self._lost is None or not isinstance(self._lost, DaemonLost):
+                self._lost = error if self._lost is None else self._lost
+            waiters = list(self._waiting.values())
+            jobs = list(self._jobs.values())
+        for waiter in waiters:
+            waiter.put(error)
+        for future in jobs:
+            if not future.done():
+                future.set_exception(error)
+        self._conn.close()
+
+    # -- sending ---------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._lost is None and self._reader.is_alive()
+
+    def start(self, op: str, body: dict[str, Any], fds: Sequence[int] = ()) -> RequestHandle:
+        """Send a request; the handle yields the frames answering it."""
+        request_id = next(self._ids)
+        waiter: queue.Queue[Frame | BaseException] = queue.Queue()
+        with self._lock:
+            if self._lost is not None:
+                raise (
+                    self._lost
+                    if isinstance(self._lost, DaemonLost)
+                    else DaemonLost(str(self._lost))
+                )
+            self._waiting[request_id] = waiter
+            try:
+                data = self._conn.send(op, request_id, body, len(fds))
+                if fds:
+                    sent = socket.send_fds(self._sock, [data], list(fds))
+                    if sent < len(data):
+                        self._sock.sendall(data[sent:])
+                else:
+                    self._sock.sendall(data)
+            except OSError as exc:
+                self._waiting.pop(request_id, None)
+                if exc.errno in (errno.EPIPE, errno.ECONNRESET) or isinstance(exc, TimeoutError):
+                    raise DaemonLost(f"sending {op} to shmstaged failed: {exc}") from None
+                raise
+        return RequestHandle(self, request_id, op, waiter)
+
+    def call(
+        self, op: str, body: dict[str, Any], fds: Sequence[int] = (), *, timeout: float | None
+    ) -> Frame:
+        handle = self.start(op, body, fds)
+        try:
+            return handle.next(timeout)
+        finally:
+            handle.finish()
+
+    def job_future(self, job: int) -> concurrent.futures.Future[dict[str, Any]]:
+        return self._job_future(job)
+
+    def forget_job(self, job: int) -> None:
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(timeout=5)
+        self._sock.close()
+
+
+class RequestHandle:
+    def __init__(
+        self,
+        connection: DaemonConnection,
+        request_id: int,
+        op: str,
+        waiter: queue.Queue[Frame | BaseException],
+    ) -> None:
+        self.connection = connection
+        self.id = request_id
+        self.op = op
+        self._waiter = waiter
+
+    def next(self, timeout: float | None) -> Frame:
+        """The next frame answering this request; error frames raise."""
+        try:
+            item = self._waiter.get(timeout=timeout)
+        except queue.Empty:
+            raise SaveTimeout(
+                f"shmstaged did not answer {self.op} within {timeout} s (daemon overloaded or "
+                "hung: check `journalctl -u shmstaged`)"
+            ) from None
+        if isinstance(item, BaseException):
+            raise item
+        if item.op == "error":
+            raise refusal(item.body["code"], item.body["message"])
+        return item
+
+    def finish(self) -> None:
+        with self.connection._lock:
+            self.connection._waiting.pop(self.id, None)
+        while True:  # descriptors that arrived for nobody must not leak
+            try:
+                item = self._waiter.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Frame):
+                for fd in item.fds:
+                    os.close(fd)

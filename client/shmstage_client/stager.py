@@ -1,0 +1,405 @@
+"""``Stager``: save a state dict through shmstaged; ``SaveHandle``: follow it to disk.
+
+``save()`` blocks only while tensors are copied into shared memory. It then commits the slot
+to the daemon, which owns the data from that moment: the trainer may modify or free its
+tensors, or even exit, and the checkpoint still completes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shmstage import names, tree
+from shmstage.datafile import SUFFIX
+from shmstage.layout import Layout, LayoutError, TensorSpec
+from shmstage.manifest import MANIFEST_NAME
+from shmstage_client.connection import DaemonConnection
+from shmstage_client.dtypes import safetensors_name, supported
+from shmstage_client.errors import (
+    CheckpointExists,
+    DaemonLost,
+    PersistError,
+    SaveError,
+    SaveTimeout,
+    UnsupportedValue,
+)
+from shmstage_client.staging import MappedLayout, copy_into
+
+log = logging.getLogger("shmstage.client")
+
+DEFAULT_DATA_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a finished save cost. ``stage_seconds`` is the training stall for the copy;
+    ``slot_wait_seconds`` and ``setup_seconds`` (first save of a structure) are separate."""
+
+    path: Path
+    bytes: int
+    stage_seconds: float
+    slot_wait_seconds: float
+    setup_seconds: float
+    persist_seconds: float
+    files: tuple[str, ...]
+
+
+class SaveHandle:
+    """A committed save being written by the daemon."""
+
+    def __init__(
+        self,
+        stager: Stager,
+        job: int,
+        path: Path,
+        future: concurrent.futures.Future,
+        stage: float,
+        slot_wait: float,
+        setup: float,
+    ) -> None:
+        self._stager = stager
+        self.job = job
+        self.path = path
+        self._future = future
+        self._stage, self._slot_wait, self._setup = stage, slot_wait, setup
+        self._result: SaveResult | None = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the checkpoint is durable (or failed); raises a SaveError subclass."""
+        if self._result is not None:
+            return self._result
+        try:
+            message = self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise SaveTimeout(
+                f"checkpoint {self.path} was not durable within {timeout} s; it is still "
+                "being written (call wait() again)"
+            ) from None
+        finally:
+            if self._future.done():
+                self._stager._forget(self)
+        result = message["result"]
+        if not message["ok"]:
+            raise PersistError(result.get("code", "?"), result.get("message", "unknown"))
+        self._result = SaveResult(
+            path=self.path,
+            bytes=int(result["bytes"]),
+            stage_seconds=self._stage,
+            slot_wait_seconds=self._slot_wait,
+            setup_seconds=self._setup,
+            persist_seconds=float(result["persist_seconds"]),
+            files=tuple(result["files"]),
+        )
+        gbps = self._result.bytes / self._stage / 1e9 if self._stage > 0 else float("inf")
+        log.info(
+            "shmstage save %s: %d bytes, stage %.3f s (%.2f GB/s), slot wait %.3f s, "
+            "persist %.3f s",
+            self.path,
+            self._result.bytes,
+            self._stage,
+            gbps,
+            self._slot_wait,
+            self._result.persist_seconds,
+        )
+        return self._result
+
+
+class Stager:
+    """A trainer's connection to shmstaged, and the staging layouts it registered.
+
+    ``slots``: staging buffers per layout; with 2, a save can fill one while the previous
+    checkpoint still streams from the other. ``wait_for_slot``: when every slot is busy,
+    wait (True, the default) or raise SlotUnavailable at once. Not thread-safe: one Stager
+    per training process.
+    """
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        slots: int = 1,
+        wait_for_slot: bool = True,
+        slot_timeout: float | None = None,
+        request_timeout: float = 600.0,
+        data_file: str = DEFAULT_DATA_FILE,
+    ) -> None:
+        names.check_plain_name(data_file, what="data file")
+        if not data_file.endswith(SUFFIX):
+            raise ValueError(f"data_file {data_file!r} must end in {SUFFIX}")
+        self.slots = slots
+        self.wait_for_slot = wait_for_slot
+        self.slot_timeout = slot_timeout
+        self.request_timeout = request_timeout
+        self.data_file = data_file
+        self._connection = DaemonConnection(
+            socket, client_name=f"shmstage-client pid {os.getpid()}"
+        )
+        self._layout: MappedLayout | None = None
+        self._pending: set[SaveHandle] = set()
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def __enter__(self) -> Stager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float | None = 600.0) -> None:
+        """Wait (bounded) for saves still being written, then release everything."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for handle in list(self._pending):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                handle.wait(remaining)
+            except SaveError as exc:
+                log.warning("save %s did not complete: %s", handle.path, exc)
+        if self._layout is not None and self._connection.alive:
+            with contextlib.suppress(SaveError):
+                self._connection.call("release", {"layout": self._layout.id}, timeout=30)
+        if self._layout is not None:
+            self._layout.close()
+            self._layout = None
+        self._connection.close()
+
+    @property
+    def daemon_info(self) -> Mapping[str, Any]:
+        return self._connection.welcome
+
+    # -- saving ------------------------------------------------------------------
+
+    def save(
+        self,
+        state_dict: Any,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Stage ``state_dict`` and commit it to be written to the new directory ``path``.
+
+        Returns once every tensor is copied: the caller may then change its tensors. The
+        daemon then writes the checkpoint; ``SaveHandle.wait()`` reports the outcome.
+        """
+        encoded, items = _flatten(state_dict)
+        layout = _layout_of(items)
+        plain_metadata = _check_metadata(metadata)
+        target = _Target.create(Path(path), self.data_file)
+        try:
+            started = time.perf_counter()
+            mapped = self._mapped(layout)
+            setup = time.perf_counter() - started
+            slot, slot_wait = self._acquire(mapped)
+            copy_started = time.perf_counter()
+            try:
+                copy_into(mapped.slots[slot], [tensor for _, tensor in items])
+            except BaseException:
+                self._cancel(mapped, slot)
+                raise
+            stage = time.perf_counter() - copy_started
+            reply = self._connection.call(
+                "commit",
+                {
+                    "layout": mapped.id,
+                    "slot": slot,
+                    "data_file": self.data_file,
+                    "data_tmp": target.data_tmp,
+                    "manifest_tmp": target.manifest_tmp,
+                    "tree": encoded,
+                    "metadata": plain_metadata,
+                    "file_metadata": {"format": "pt"},
+                },
+                target.fds(),
+                timeout=self.request_timeout,
+            )
+        except BaseException:
+            target.abort()
+            raise
+        finally:
+            target.close_fds()
+        job = reply.body["job"]
+        handle = SaveHandle(
+            self, job, target.path, self._connection.job_future(job), stage, slot_wait, setup
+        )
+        with self._lock:
+            self._pending.add(handle)
+        return handle
+
+    def _forget(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._pending.discard(handle)
+        self._connection.forget_job(handle.job)
+
+    def _mapped(self, layout: Layout) -> MappedLayout:
+        """Reuse the registered layout when the structure is identical, else replace it."""
+        if self._layout is not None and self._layout.structure_key == layout.structure_key:
+            return self._layout
+        if self._layout is not None:
+            old, self._layout = self._layout, None
+            self._connection.call("release", {"layout": old.id}, timeout=self.request_timeout)
+            old.close()
+        handle = self._connection.start(
+            "register", {"tensors": layout.to_wire(), "slots": self.slots}
+        )
+        fds: list[int] = []
+        try:
+            reply = handle.next(self.request_timeout)
+            layout_id, total = reply.body["layout"], reply.body["segments"]
+            while len(fds) < total:
+                frame = handle.next(self.request_timeout)
+                if frame.op != "segment_fds" or frame.body["first"] != len(fds):
+                    for fd in frame.fds:
+                        os.close(fd)
+                    raise DaemonLost(f"unexpected {frame.op} while receiving segments")
+                fds.extend(frame.fds)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        finally:
+            handle.finish()
+        self._layout = MappedLayout.from_fds(layout_id, layout, self.slots, fds)
+        return self._layout
+
+    def _acquire(self, mapped: MappedLayout) -> tuple[int, float]:
+        started = time.perf_counter()
+        reply = self._connection.call(
+            "acquire",
+            {"layout": mapped.id, "wait": self.wait_for_slot, "timeout": self.slot_timeout},
+            timeout=None if self.slot_timeout is None else self.slot_timeout + 30,
+        )
+        return reply.body["slot"], time.perf_counter() - started
+
+    def _cancel(self, mapped: MappedLayout, slot: int) -> None:
+        try:
+            self._connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
+        except SaveError as exc:
+            log.warning("could not hand slot %d back to shmstaged: %s", slot, exc)
+
+
+def _flatten(state_dict: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    try:
+        return tree.flatten(state_dict, lambda value: isinstance(value, torch.Tensor))
+    except tree.TreeError as exc:
+        raise UnsupportedValue(f"{exc}; nothing was written") from None
+
+
+def _layout_of(items: list[tuple[str, torch.Tensor]]) -> Layout:
+    specs = []
+    for key, tensor in items:
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            raise UnsupportedValue(
+                f"tensor {key!r} is a {type(tensor).__name__}; plain tensors only (for DTensor "
+                "use shmstage_client.dcp); nothing was written"
+            )
+        if (
+            tensor.layout is not torch.strided
+            or tensor.is_quantized
+            or tensor.device.type == "meta"
+        ):
+            raise UnsupportedValue(
+                f"tensor {key!r} ({tensor.layout}, {tensor.device}) is not a dense tensor with "
+                "data; nothing was written"
+            )
+        dtype = safetensors_name(tensor.dtype)
+        if dtype is None:
+            raise UnsupportedValue(
+                f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store "
+                f"(supported: {supported()}); convert it first — nothing was written"
+            )
+        specs.append(TensorSpec(key, dtype, tuple(tensor.shape)))
+    try:
+        return Layout.of(specs)
+    except LayoutError as exc:
+        raise UnsupportedValue(f"{exc}; nothing was written") from None
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    try:
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValue(f"metadata must be plain JSON values: {exc}") from None
+
+
+class _Target:
+    """The destination as the *client* opens it: the daemon gets descriptors, not paths.
+
+    Creating the temporary files here proves this user may write the directory; the daemon
+    then only writes through these descriptors and links names inside this directory.
+    """
+
+    def __init__(self, path: Path, dir_fd: int, data_file: str) -> None:
+        self.path = path
+        self.dir_fd = dir_fd
+        self.data_tmp = names.temp_name(data_file)
+        self.manifest_tmp = names.temp_name(MANIFEST_NAME)
+        self.data_fd = -1
+        self.manifest_fd = -1
+
+    @classmethod
+    def create(cls, path: Path, data_file: str) -> _Target:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SaveError(f"cannot use checkpoint directory {path}: {exc.strerror}") from None
+        target = cls(path.resolve(), dir_fd, data_file)
+        try:
+            for existing in (MANIFEST_NAME, data_file):
+                if _exists(existing, dir_fd):
+                    raise CheckpointExists(
+                        f"{path / existing} already exists: shmstage never overwrites a "
+                        "checkpoint; save to a new directory"
+                    )
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+            target.data_fd = os.open(target.data_tmp, flags, 0o644, dir_fd=dir_fd)
+            target.manifest_fd = os.open(target.manifest_tmp, flags, 0o644, dir_fd=dir_fd)
+        except OSError as exc:
+            target.abort()
+            target.close_fds()
+            raise SaveError(f"cannot create files in {path}: {exc.strerror}") from None
+        except BaseException:
+            target.abort()
+            target.close_fds()
+            raise
+        return target
+
+    def fds(self) -> list[int]:
+        return [self.dir_fd, self.data_fd, self.manifest_fd]
+
+    def abort(self) -> None:
+        for name in (self.data_tmp, self.manifest_tmp):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.dir_fd)
+
+    def close_fds(self) -> None:
+        for fd in (self.data_fd, self.manifest_fd, self.dir_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.data_fd = self.manifest_fd = self.dir_fd = -1
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

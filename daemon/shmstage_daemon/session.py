@@ -1,0 +1,361 @@
+"""One connected client: reads frames, applies them to the store, answers.
+
+A session is the thin asyncio shell around a protocol Connection. Whatever the client does
+— garbage, a flood, vanishing mid-save — only this session ends; its layouts are released
+and their segments unlinked once no job reads them any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from shmstage import datafile, names, segment
+from shmstage.layout import Layout, LayoutError
+from shmstage.protocol import PROTOCOL_VERSION, Connection, ErrorCode, Frame, ProtocolError, Role
+from shmstage_daemon import __version__, job
+from shmstage_daemon.admission import Peer, may_write_dir
+from shmstage_daemon.store import StagedLayout, StoreError
+from shmstage_daemon.transport import Transport, close_fds
+
+if TYPE_CHECKING:
+    from shmstage_daemon.server import Daemon
+
+log = logging.getLogger("shmstaged.session")
+
+#: Segment descriptors go out in groups this size, each group one frame.
+FDS_PER_FRAME = 253
+MAX_METADATA_ENTRIES = 10_000
+
+
+class RequestError(Exception):
+    """A request this client got wrong; answered with an error frame, session lives on."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Session:
+    def __init__(self, daemon: Daemon, sid: int, transport: Transport, peer: Peer) -> None:
+        self.daemon = daemon
+        self.id = sid
+        self.transport = transport
+        self.peer = peer
+        self.conn = Connection(Role.DAEMON, max_frame_bytes=daemon.max_frame_bytes)
+        self.client_name = "?"
+        self.open = True
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.started = time.time()
+
+    @property
+    def store(self):
+        return self.daemon.store
+
+    def describe(self) -> str:
+        return f"client {self.id} ({self.client_name}, {self.peer.describe()})"
+
+    # -- the read loop -----------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while self.open:
+                data, fds = await self.transport.recv()
+                self.conn.receive_data(data, fds)
+                while self.open and (frame := self.conn.next_frame()) is not None:
+                    await self._dispatch(frame)
+        except EOFError:
+            log.info("%s disconnected", self.describe())
+        except ProtocolError as exc:
+            log.warning("%s broke the protocol: %s", self.describe(), exc)
+            await self._send_error(exc.request_id, exc.code, exc.message, fatal=True)
+        except (ConnectionError, TimeoutError) as exc:
+            log.warning("%s dropped: %s", self.describe(), exc or type(exc).__name__)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: internal error; dropping the session", self.describe())
+            await self._send_error(0, ErrorCode.INTERNAL, "internal daemon error", fatal=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        for task in self._tasks:
+            task.cancel()
+        self.conn.close()
+        self.transport.close()
+        self.daemon.session_closed(self)
+
+    async def _dispatch(self, frame: Frame) -> None:
+        handler = getattr(self, f"_op_{frame.op}")
+        try:
+            await handler(frame)
+        except (RequestError, StoreError) as exc:
+            close_fds(frame.fds)
+            await self._send_error(frame.id, exc.code, exc.message)
+        except LayoutError as exc:
+            close_fds(frame.fds)
+            await self._send_error(frame.id, ErrorCode.BAD_REQUEST, str(exc))
+
+    async def send(
+        self, op: str, request_id: int, body: dict[str, Any], fds: Sequence[int] = ()
+    ) -> None:
+        if not self.open:
+            return
+        await self.transport.send(self.conn.send(op, request_id, body, len(fds)), fds)
+
+    async def _send_error(
+        self, request_id: int, code: ErrorCode, message: str, *, fatal: bool = False
+    ) -> None:
+        if self.transport.closed:
+            return
+        try:
+            frame = self.conn.error_frame(code, message, request_id, fatal=fatal)
+            await self.transport.send(frame)
+        except (ConnectionError, TimeoutError, OSError):
+            pass
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- operations --------------------------------------------------------------
+
+    async def _op_hello(self, frame: Frame) -> None:
+        self.client_name = frame.body["client"][:128]
+        log.info("%s connected (client pid %s)", self.describe(), frame.body["pid"])
+        await self.send(
+            "welcome",
+            frame.id,
+            {
+                "version": PROTOCOL_VERSION,
+                "daemon": f"shmstaged {__version__}",
+                "instance": self.daemon.instance,
+                "limits": self.store.limits.to_wire(),
+            },
+        )
+
+    async def _op_status(self, frame: Frame) -> None:
+        await self.send("status", frame.id, {"status": self.daemon.status()})
+
+    async def _op_register(self, frame: Frame) -> None:
+        if self.daemon.stopping:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "shmstaged is shutting down")
+        layout = Layout.from_wire(
+            frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
+        )
+        slots = frame.body["slots"]
+        nbytes = self.store.reserve(self.id, layout, slots)
+        try:
+            refs = await self.daemon.run_io(self.daemon.create_segments, layout, slots)
+        except segment.SegmentError as exc:
+            self.store.unreserve(self.id, nbytes, len(layout.tensors) * slots)
+            raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
+        except BaseException:
+            self.store.unreserve(self.id, nbytes, len(layout.tensors) * slots)
+            raise
+        staged = self.store.add(self.id, layout, refs, nbytes)
+        if not self.open:  # the client left while segments were being made
+            self.daemon.release(staged)
+            return
+        log.info(
+            "%s registered layout %d: %d tensors x %d slot(s), %d bytes",
+            self.describe(),
+            staged.id,
+            len(layout.tensors),
+            slots,
+            nbytes,
+        )
+        flat = [ref for slot_refs in refs for ref in slot_refs]
+        await self.send(
+            "registered", frame.id, {"layout": staged.id, "slots": slots, "segments": len(flat)}
+        )
+        for first in range(0, len(flat), FDS_PER_FRAME):
+            fds = [
+                segment.open_fd(ref, writable=True) for ref in flat[first : first + FDS_PER_FRAME]
+            ]
+            try:
+                await self.send("segment_fds", frame.id, {"layout": staged.id, "first": first}, fds)
+            finally:
+                close_fds(fds)
+
+    async def _op_acquire(self, frame: Frame) -> None:
+        staged = self.store.get(self.id, frame.body["layout"])
+        slot = self.store.try_acquire(self.id, staged)
+        if slot is not None:
+            await self.send(
+                "acquired", frame.id, {"layout": staged.id, "slot": slot.index, "waited": 0.0}
+            )
+            return
+        if not frame.body["wait"]:
+            raise RequestError(
+                ErrorCode.NO_FREE_SLOT,
+                f"all {len(staged.slots)} slot(s) of layout {staged.id} are busy with earlier "
+                "checkpoints; wait for a slot, or register the layout with more slots",
+            )
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        staged.waiters.append(waiter)
+        self.spawn(self._await_slot(frame, staged, waiter, frame.body["timeout"]))
+
+    async def _await_slot(
+        self, frame: Frame, staged: StagedLayout, waiter: asyncio.Future[Any], timeout: float | None
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            slot = await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            await self._send_error(
+                frame.id,
+                ErrorCode.NO_FREE_SLOT,
+                f"no slot of layout {staged.id} became free within {timeout} s; earlier "
+                "checkpoints are still being written",
+            )
+            return
+        except StoreError as exc:
+            await self._send_error(frame.id, exc.code, exc.message)
+            return
+        await self.send(
+            "acquired",
+            frame.id,
+            {
+                "layout": staged.id,
+                "slot": slot.index,
+                "waited": time.perf_counter() - started,
+            },
+        )
+
+    async def _op_cancel(self, frame: Frame) -> None:
+        staged = self.store.get(self.id, frame.body["layout"])
+        slot = self.store.slot(staged, frame.body["slot"])
+        self.store.release_slot(self.id, staged, slot)
+        await self.send("cancelled", frame.id, {"layout": staged.id, "slot": slot.index})
+
+    async def _op_release(self, frame: Frame) -> None:
+        staged = self.store.get(self.id, frame.body["layout"])
+        self.daemon.release(staged)
+        await self.send("released", frame.id, {"layout": staged.id})
+
+    async def _op_commit(self, frame: Frame) -> None:
+        body = frame.body
+        if len(frame.fds) != 3:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"commit needs 3 descriptors (directory, data file, manifest file), got "
+                f"{len(frame.fds)}",
+            )
+        staged = self.store.get(self.id, body["layout"])
+        slot = self.store.slot(staged, body["slot"])
+        destination = self._destination(body, frame.fds)
+        try:
+            header = datafile.build_header(
+                staged.layout, _string_map(body.get("file_metadata", {}), "file_metadata")
+            )
+            metadata = body.get("metadata", {})
+            if len(metadata) > MAX_METADATA_ENTRIES:
+                raise RequestError(ErrorCode.BAD_REQUEST, "metadata has too many entries")
+            job_id = self.store.begin_job(self.id, staged, slot)
+        except BaseException:
+            destination.close()
+            raise
+        persist = job.PersistJob(
+            id=job_id,
+            layout=staged.layout,
+            segments=slot.segments,
+            header=header,
+            destination=destination,
+            tree=body["tree"],
+            metadata=metadata,
+            save_info={
+                "client": self.client_name,
+                "pid": self.peer.pid,
+                "uid": self.peer.uid,
+                "daemon": f"shmstaged {__version__}",
+                "layout": staged.id,
+                "slot": slot.index,
+            },
+            fsync=self.daemon.fsync,
+        )
+        await self.send(
+            "committed", frame.id, {"layout": staged.id, "slot": slot.index, "job": job_id}
+        )
+        self.daemon.start_job(self, staged, slot, persist)
+
+    def _destination(self, body: dict[str, Any], fds: tuple[int, ...]) -> job.Destination:
+        """Check the client's descriptors really are what the names say, and writable by it."""
+        dir_fd, data_fd, manifest_fd = fds
+        destination = job.Destination(
+            dir_fd, data_fd, manifest_fd, body["data_file"], body["data_tmp"], body["manifest_tmp"]
+        )
+        try:
+            data_file = names.check_plain_name(body["data_file"], what="data file")
+            if not data_file.endswith(datafile.SUFFIX):
+                raise names.NameError_(f"data file {data_file!r} must end in {datafile.SUFFIX}")
+            names.check_temp_name(body["data_tmp"], data_file)
+            names.check_temp_name(body["manifest_tmp"], "shmstage-manifest.json")
+            dir_st = os.fstat(dir_fd)
+            if not stat.S_ISDIR(dir_st.st_mode):
+                raise RequestError(ErrorCode.BAD_REQUEST, "first descriptor is not a directory")
+            if not may_write_dir(dir_st, self.peer):
+                raise RequestError(
+                    ErrorCode.NOT_ALLOWED,
+                    f"uid {self.peer.uid} cannot write the checkpoint directory itself, so "
+                    "shmstaged will not write there on its behalf",
+                )
+            for name, fd in ((body["data_tmp"], data_fd), (body["manifest_tmp"], manifest_fd)):
+                _check_file_fd(name, fd, dir_fd)
+        except names.NameError_ as exc:
+            destination.close()
+            raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        except RequestError:
+            destination.close()
+            raise
+        except OSError as exc:
+            destination.close()
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"bad destination descriptor: {exc}"
+            ) from None
+        return destination
+
+    async def job_finished(self, persist: job.PersistJob, result: job.JobResult) -> None:
+        with contextlib.suppress(ConnectionError, TimeoutError, OSError):
+            await self.send(
+                "job_done", 0, {"job": persist.id, "ok": result.ok, "result": result.to_wire()}
+            )
+
+
+def _check_file_fd(name: str, fd: int, dir_fd: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{name}: descriptor is not a regular file")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE not in (os.O_WRONLY, os.O_RDWR):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{name}: descriptor is not open for writing")
+    try:
+        named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"{name} does not exist in the checkpoint directory"
+        ) from None
+    if (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{name} is not the file whose descriptor came")
+
+
+def _string_map(value: object, what: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{what} must map strings to strings")
+    if len(value) > MAX_METADATA_ENTRIES:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{what} has too many entries")
+    return value

@@ -1,0 +1,257 @@
+"""The daemon's shared state: every client's layouts, their slots, and the budget.
+
+Only the event loop touches a Store. Segment creation and unlinking are blocking calls, so
+the session runs them in the thread pool and reports back here; writer threads never see a
+Store at all, they get a self-contained job and return a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from shmstage.layout import Layout
+from shmstage.protocol import ErrorCode
+from shmstage.segment import SegmentRef
+from shmstage_daemon.slot import Slot, SlotError, SlotState
+
+
+class StoreError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-client and daemon-wide ceilings; every refusal names the limit that applied."""
+
+    shm_budget_bytes: int
+    max_client_bytes: int = 1 << 62
+    max_client_segments: int = 1 << 20
+    max_client_layouts: int = 8
+    max_client_jobs: int = 16
+    max_tensors_per_layout: int = 200_000
+    max_slots: int = 8
+
+    def to_wire(self) -> dict[str, int]:
+        return {
+            "shm_budget_bytes": self.shm_budget_bytes,
+            "max_client_bytes": self.max_client_bytes,
+            "max_client_segments": self.max_client_segments,
+            "max_client_layouts": self.max_client_layouts,
+            "max_client_jobs": self.max_client_jobs,
+            "max_tensors_per_layout": self.max_tensors_per_layout,
+            "max_slots": self.max_slots,
+        }
+
+
+@dataclass
+class StagedLayout:
+    id: int
+    owner: int
+    layout: Layout
+    slots: list[Slot]
+    bytes_reserved: int
+    released: bool = False
+    waiters: deque[asyncio.Future[Slot]] = field(default_factory=deque)
+
+    @property
+    def segment_count(self) -> int:
+        return sum(len(slot.segments) for slot in self.slots)
+
+    def idle(self) -> bool:
+        return all(slot.state is SlotState.FREE for slot in self.slots)
+
+    def segment_names(self) -> list[str]:
+        return [ref.name for slot in self.slots for ref in slot.segments]
+
+
+@dataclass
+class ClientUsage:
+    bytes: int = 0
+    segments: int = 0
+    layouts: int = 0
+    jobs: int = 0
+
+
+class Store:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.layouts: dict[int, StagedLayout] = {}
+        self.usage: dict[int, ClientUsage] = {}
+        self.reserved_bytes = 0
+        self._layout_ids = itertools.count(1)
+        self._job_ids = itertools.count(1)
+
+    # -- registration ------------------------------------------------------------
+
+    def reserve(self, session: int, layout: Layout, slots: int) -> int:
+        """Charge a registration against the limits before any segment exists."""
+        lim = self.limits
+        if not 1 <= slots <= lim.max_slots:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST, f"slots={slots}: this daemon allows 1..{lim.max_slots}"
+            )
+        usage = self.usage.setdefault(session, ClientUsage())
+        nbytes = sum(max(spec.nbytes, 1) for spec in layout.tensors) * slots
+        nsegments = len(layout.tensors) * slots
+        checks = [
+            (
+                usage.layouts + 1 > lim.max_client_layouts,
+                "layouts",
+                usage.layouts + 1,
+                lim.max_client_layouts,
+            ),
+            (
+                usage.bytes + nbytes > lim.max_client_bytes,
+                "bytes",
+                usage.bytes + nbytes,
+                lim.max_client_bytes,
+            ),
+            (
+                usage.segments + nsegments > lim.max_client_segments,
+                "segments",
+                usage.segments + nsegments,
+                lim.max_client_segments,
+            ),
+        ]
+        for exceeded, what, wanted, limit in checks:
+            if exceeded:
+                raise StoreError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"this registration would bring the client to {wanted} {what}, over its "
+                    f"limit of {limit}; release layouts first or raise the limit in "
+                    "shmstaged's configuration",
+                )
+        if self.reserved_bytes + nbytes > lim.shm_budget_bytes:
+            raise StoreError(
+                ErrorCode.SHM_EXHAUSTED,
+                f"staging {nbytes} bytes ({slots} slot(s) of {layout.nbytes}) would exceed "
+                f"shmstaged's shared-memory budget ({self.reserved_bytes} of "
+                f"{lim.shm_budget_bytes} bytes in use); use fewer slots, release other "
+                "layouts, or raise the budget",
+            )
+        self.reserved_bytes += nbytes
+        usage.bytes += nbytes
+        usage.segments += nsegments
+        usage.layouts += 1
+        return nbytes
+
+    def unreserve(self, session: int, nbytes: int, nsegments: int) -> None:
+        self.reserved_bytes -= nbytes
+        usage = self.usage.get(session)
+        if usage is not None:
+            usage.bytes -= nbytes
+            usage.segments -= nsegments
+            usage.layouts -= 1
+
+    def add(
+        self, session: int, layout: Layout, slots: list[list[SegmentRef]], nbytes: int
+    ) -> StagedLayout:
+        staged = StagedLayout(
+            id=next(self._layout_ids),
+            owner=session,
+            layout=layout,
+            slots=[Slot(i, refs) for i, refs in enumerate(slots)],
+            bytes_reserved=nbytes,
+        )
+        self.layouts[staged.id] = staged
+        return staged
+
+    def get(self, session: int, layout_id: int) -> StagedLayout:
+        staged = self.layouts.get(layout_id)
+        if staged is None or staged.owner != session or staged.released:
+            raise StoreError(
+                ErrorCode.UNKNOWN_LAYOUT,
+                f"layout {layout_id} is not registered by this client (released, or never "
+                "registered); register the state dict's structure again",
+            )
+        return staged
+
+    # -- slots -------------------------------------------------------------------
+
+    def try_acquire(self, session: int, staged: StagedLayout) -> Slot | None:
+        for slot in staged.slots:
+            if slot.state is SlotState.FREE:
+                slot.acquire(session)
+                return slot
+        return None
+
+    def slot(self, staged: StagedLayout, index: int) -> Slot:
+        if not 0 <= index < len(staged.slots):
+            raise StoreError(ErrorCode.BAD_REQUEST, f"layout {staged.id} has no slot {index}")
+        return staged.slots[index]
+
+    def begin_job(self, session: int, staged: StagedLayout, slot: Slot) -> int:
+        usage = self.usage.setdefault(session, ClientUsage())
+        if usage.jobs >= self.limits.max_client_jobs:
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"this client already has {usage.jobs} checkpoints being written (limit "
+                f"{self.limits.max_client_jobs}); wait for one to finish",
+            )
+        job = next(self._job_ids)
+        try:
+            slot.commit(session, job)
+        except SlotError as exc:
+            raise StoreError(ErrorCode.SLOT_NOT_OWNED, str(exc)) from None
+        usage.jobs += 1
+        return job
+
+    def end_job(self, session: int, staged: StagedLayout, slot: Slot, job: int) -> None:
+        slot.finish(job)
+        usage = self.usage.get(session)
+        if usage is not None:
+            usage.jobs -= 1
+        self.hand_over(staged, slot)
+
+    def release_slot(self, session: int, staged: StagedLayout, slot: Slot) -> None:
+        try:
+            slot.cancel(session)
+        except SlotError as exc:
+            raise StoreError(ErrorCode.SLOT_NOT_OWNED, str(exc)) from None
+        self.hand_over(staged, slot)
+
+    def hand_over(self, staged: StagedLayout, slot: Slot) -> None:
+        """A slot just became free: the longest waiter gets it, in the loop, atomically."""
+        while staged.waiters and slot.state is SlotState.FREE and not staged.released:
+            waiter = staged.waiters.popleft()
+            if not waiter.done():
+                slot.acquire(staged.owner)
+                waiter.set_result(slot)
+
+    # -- release -----------------------------------------------------------------
+
+    def mark_released(self, staged: StagedLayout) -> None:
+        staged.released = True
+        for waiter in staged.waiters:
+            if not waiter.done():
+                waiter.set_exception(
+                    StoreError(ErrorCode.UNKNOWN_LAYOUT, f"layout {staged.id} was released")
+                )
+        staged.waiters.clear()
+        for slot in staged.slots:
+            if slot.state is SlotState.FILLING:
+                slot.state, slot.holder = SlotState.FREE, None
+
+    def collect(self, staged: StagedLayout) -> list[str] | None:
+        """If a released layout is idle, forget it and return its segments to unlink."""
+        if not staged.released or not staged.idle() or staged.id not in self.layouts:
+            return None
+        del self.layouts[staged.id]
+        self.unreserve(staged.owner, staged.bytes_reserved, staged.segment_count)
+        return staged.segment_names()
+
+    def layouts_of(self, session: int) -> list[StagedLayout]:
+        return [staged for staged in self.layouts.values() if staged.owner == session]
+
+    def forget_client(self, session: int) -> None:
+        if not self.layouts_of(session):
+            self.usage.pop(session, None)
+
+    def all_segment_names(self) -> list[str]:
+        return [name for staged in self.layouts.values() for name in staged.segment_names()]

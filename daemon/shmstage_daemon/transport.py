@@ -1,0 +1,94 @@
+"""Bytes and file descriptors over a non-blocking unix stream socket, for asyncio.
+
+asyncio's streams cannot carry SCM_RIGHTS, so this is the thin layer that can: it waits for
+readiness with ``add_reader``/``add_writer`` and moves data with ``recv_fds``/``sendmsg``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Sequence
+from typing import Final
+
+RECV_BYTES: Final = 256 * 1024
+RECV_FDS: Final = 253
+
+
+class Transport:
+    def __init__(self, sock: socket.socket, *, send_timeout: float = 30.0) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.send_timeout = send_timeout
+        self._send_lock = asyncio.Lock()
+        self.closed = False
+
+    async def _ready(self, *, write: bool) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        fd = self.sock.fileno()
+
+        def wake() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        (loop.add_writer if write else loop.add_reader)(fd, wake)
+        try:
+            await future
+        finally:
+            (loop.remove_writer if write else loop.remove_reader)(fd)
+
+    async def recv(self) -> tuple[bytes, list[int]]:
+        """The next chunk of bytes and the descriptors that came with it (b"" at EOF)."""
+        while True:
+            if self.closed:
+                return b"", []
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(
+                    self.sock, RECV_BYTES, RECV_FDS, socket.MSG_CMSG_CLOEXEC
+                )
+                return data, list(fds)
+            except (BlockingIOError, InterruptedError):
+                await self._ready(write=False)
+            except (ConnectionResetError, BrokenPipeError):
+                return b"", []
+
+    async def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Send all of ``data``; the descriptors ride with its first byte.
+
+        A peer that stops reading cannot stall the daemon: after ``send_timeout`` the send
+        fails with TimeoutError and the caller drops the session.
+        """
+        async with self._send_lock:
+            await asyncio.wait_for(self._send_all(data, fds), self.send_timeout)
+
+    async def _send_all(self, data: bytes, fds: Sequence[int]) -> None:
+        view = memoryview(data)
+        pending_fds = list(fds)
+        while view:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            try:
+                if pending_fds:
+                    sent = socket.send_fds(self.sock, [view], pending_fds)
+                    pending_fds = []
+                else:
+                    sent = self.sock.send(view)
+                view = view[sent:]
+            except (BlockingIOError, InterruptedError):
+                await self._ready(write=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

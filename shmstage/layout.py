@@ -1,0 +1,166 @@
+"""Layouts: the flattened structure of a state dict, the unit of staging-buffer reuse.
+
+A layout is the ordered list of tensors a save carries — key, dtype, shape and shard
+offsets. Two saves with equal layouts may reuse the same shared-memory segments; anything
+else (including a changed shard offset) must not. Source addresses are deliberately absent:
+caching on them, or ignoring offsets, is how earlier systems silently re-saved stale data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+
+#: safetensors dtype name -> bytes per element. Sub-byte types (F4, F6_*) are absent on
+#: purpose: they do not map to whole-byte tensors one can stage and checksum per key.
+DTYPE_SIZES: Final[dict[str, int]] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "C64": 8,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
+MAX_KEY_BYTES: Final = 1024
+MAX_NDIM: Final = 64
+#: Past this a single tensor is certainly a bug; it also keeps sizes well inside 2**63.
+MAX_TENSOR_BYTES: Final = 1 << 46
+RESERVED_KEY: Final = "__metadata__"
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be staged; the message names the tensor and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    #: Where this shard starts in the global tensor (DCP/DTensor), or None for a whole tensor.
+    offsets: tuple[int, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.key,
+            self.dtype,
+            list(self.shape),
+            None if self.offsets is None else list(self.offsets),
+        ]
+
+    @classmethod
+    def from_wire(cls, item: object) -> TensorSpec:
+        """Validate one untrusted entry; every failure names the offending tensor."""
+        if not isinstance(item, list) or len(item) != 4:
+            raise LayoutError(f"tensor entry {item!r:.80} is not [key, dtype, shape, offsets]")
+        key, dtype, shape, offsets = item
+        spec = cls(
+            key=key,
+            dtype=dtype,
+            shape=_int_tuple(key, "shape", shape),
+            offsets=None if offsets is None else _int_tuple(key, "offsets", offsets),
+        )
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise LayoutError(f"tensor key {self.key!r:.80} must be a non-empty string")
+        if len(self.key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+            raise LayoutError(f"tensor key {self.key[:60]!r}… is over {MAX_KEY_BYTES} bytes")
+        if self.key == RESERVED_KEY:
+            raise LayoutError(f"{RESERVED_KEY!r} is reserved by safetensors; rename the key")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
+            raise LayoutError(
+                f"tensor {self.key!r}: dtype {self.dtype!r} cannot be stored in safetensors "
+                f"(supported: {', '.join(DTYPE_SIZES)})"
+            )
+        if len(self.shape) > MAX_NDIM:
+            raise LayoutError(f"tensor {self.key!r}: {len(self.shape)} dimensions is too many")
+        if self.offsets is not None and len(self.offsets) != len(self.shape):
+            raise LayoutError(
+                f"tensor {self.key!r}: offsets {list(self.offsets)} do not match shape "
+                f"{list(self.shape)}"
+            )
+        if self.nbytes > MAX_TENSOR_BYTES:
+            raise LayoutError(f"tensor {self.key!r}: {self.nbytes} bytes is over the limit")
+
+
+def _int_tuple(key: object, what: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in value
+    ):
+        raise LayoutError(f"tensor {key!r:.80}: {what} must be a list of non-negative ints")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """An ordered, validated set of tensor specs with a stable structure key."""
+
+    tensors: tuple[TensorSpec, ...]
+
+    @classmethod
+    def of(cls, specs: Iterable[TensorSpec]) -> Layout:
+        layout = cls(tuple(specs))
+        seen: set[str] = set()
+        for spec in layout.tensors:
+            spec.validate()
+            if spec.key in seen:
+                raise LayoutError(f"tensor key {spec.key!r} appears twice")
+            seen.add(spec.key)
+        return layout
+
+    @classmethod
+    def from_wire(cls, items: object, *, max_tensors: int) -> Layout:
+        if not isinstance(items, list):
+            raise LayoutError("tensors must be a list")
+        if len(items) > max_tensors:
+            raise LayoutError(
+                f"{len(items)} tensors in one layout exceeds this daemon's limit of {max_tensors}"
+            )
+        return cls.of(TensorSpec.from_wire(item) for item in items)
+
+    def to_wire(self) -> list[list[Any]]:
+        return [spec.to_wire() for spec in self.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.tensors)
+
+    @property
+    def structure_key(self) -> str:
+        """Digest of everything that decides whether segments can be reused."""
+        return hashlib.sha256(msgpack.packb(self.to_wire())).hexdigest()
+
+    def data_offsets(self) -> list[tuple[int, int]]:
+        """Byte ranges of each tensor in a data file: contiguous, in layout order."""
+        ranges = []
+        position = 0
+        for spec in self.tensors:
+            ranges.append((position, position + spec.nbytes))
+            position += spec.nbytes
+        return ranges
+
+    def keys(self) -> Sequence[str]:
+        return [spec.key for spec in self.tensors]

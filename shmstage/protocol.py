@@ -1,0 +1,367 @@
+"""The shmstage wire protocol as a pure state machine over bytes (sans-IO, after h11).
+
+A frame is a 4-byte big-endian length followed by one msgpack map::
+
+    {"op": str, "id": int, "nfds": int, ...op fields}
+
+``nfds`` says how many file descriptors travelled with the frame (SCM_RIGHTS). The kernel
+hands descriptors to the reader alongside the bytes, so the transport feeds them to
+:meth:`Connection.receive_data` together with the bytes they arrived with, and the
+connection hands them out, first in first out, to the frames that declare them. Descriptors
+nobody claims once every complete frame is parsed are a protocol violation: they are closed,
+never leaked into the daemon.
+
+The connection knows nothing about sockets; it only turns bytes into :class:`Frame` events
+and events into bytes. Anything malformed — a bad length, undecodable msgpack, an unknown
+op, a field of the wrong type, a frame out of order — raises :class:`ProtocolError`, after
+which the stream cannot be resynchronised and the connection is dead: the caller sends the
+error frame (:meth:`Connection.error_frame`) and closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import struct
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgpack
+
+PROTOCOL_VERSION: Final = 1
+#: A layout of 100,000 tensors describes itself in ~12 MiB; nothing legitimate is larger.
+DEFAULT_MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
+#: Linux passes at most SCM_MAX_FD (253) descriptors per sendmsg.
+MAX_FDS_PER_FRAME: Final = 253
+#: Descriptors may be queued ahead of their frame's bytes, but never without bound.
+MAX_PENDING_FDS: Final = 4 * MAX_FDS_PER_FRAME
+_LENGTH = struct.Struct(">I")
+
+
+class ErrorCode(enum.StrEnum):
+    """Typed error codes; each travels with a human message naming the thing and the fix."""
+
+    BAD_FRAME = "bad_frame"
+    FRAME_TOO_LARGE = "frame_too_large"
+    OUT_OF_ORDER = "out_of_order"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_OP = "unknown_op"
+    BAD_REQUEST = "bad_request"
+    NOT_ALLOWED = "not_allowed"
+    UNKNOWN_LAYOUT = "unknown_layout"
+    NO_FREE_SLOT = "no_free_slot"
+    SLOT_NOT_OWNED = "slot_not_owned"
+    SHM_EXHAUSTED = "shm_exhausted"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    STORAGE = "storage"
+    EXISTS = "exists"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A peer broke the protocol; the message is safe to send back to it."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    DAEMON = "daemon"
+
+
+# Field schemas: op -> (who may send it, {field: accepted types}). Optional fields are
+# listed in _OPTIONAL. Deeper validation (a layout's tensors, names) belongs to the module
+# that owns the concept; the protocol guarantees only shape and primitive types.
+_INT = (int,)
+_STR = (str,)
+_NUM = (int, float)
+_BOOL = (bool,)
+_LIST = (list,)
+_MAP = (dict,)
+_ANY = (object,)
+_NONE = (type(None),)
+
+_CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
+    "hello": {"version": _INT, "client": _STR, "pid": _INT},
+    "register": {"tensors": _LIST, "slots": _INT},
+    "acquire": {"layout": _INT, "wait": _BOOL, "timeout": _NUM + _NONE},
+    "cancel": {"layout": _INT, "slot": _INT},
+    "commit": {
+        "layout": _INT,
+        "slot": _INT,
+        "data_file": _STR,
+        "data_tmp": _STR,
+        "manifest_tmp": _STR,
+        "tree": _ANY,
+        "metadata": _MAP,
+        "file_metadata": _MAP,
+    },
+    "release": {"layout": _INT},
+    "status": {},
+}
+_DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
+    "welcome": {"version": _INT, "daemon": _STR, "instance": _STR, "limits": _MAP},
+    "registered": {"layout": _INT, "slots": _INT, "segments": _INT},
+    "segment_fds": {"layout": _INT, "first": _INT},
+    "acquired": {"layout": _INT, "slot": _INT, "waited": _NUM},
+    "cancelled": {"layout": _INT, "slot": _INT},
+    "committed": {"layout": _INT, "slot": _INT, "job": _INT},
+    "job_done": {"job": _INT, "ok": _BOOL, "result": _MAP},
+    "released": {"layout": _INT},
+    "status": {"status": _MAP},
+    "error": {"code": _STR, "message": _STR, "fatal": _BOOL},
+}
+_OPTIONAL: dict[str, frozenset[str]] = {
+    "commit": frozenset({"file_metadata", "metadata"}),
+}
+_HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded message. ``fds`` are owned by whoever takes the frame: close them."""
+
+    op: str
+    id: int
+    body: dict[str, Any]
+    fds: tuple[int, ...] = field(default=())
+
+
+def encode_frame(
+    op: str, request_id: int, body: dict[str, Any], nfds: int = 0, *, max_bytes: int
+) -> bytes:
+    """Encode one frame; refuses what the peer would refuse rather than sending it."""
+    if nfds > MAX_FDS_PER_FRAME:
+        raise ValueError(f"{nfds} descriptors in one frame; Linux passes at most 253")
+    message = {"op": op, "id": request_id, "nfds": nfds, **body}
+    payload = msgpack.packb(message, use_bin_type=True)
+    if len(payload) > max_bytes:
+        raise ValueError(
+            f"{op} frame of {len(payload)} bytes exceeds the {max_bytes}-byte frame limit"
+        )
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class Connection:
+    """One side of a shmstage conversation.
+
+    ``role`` is the side *we* are. Frames we receive are checked against what the other
+    side may send, in the order it may send them: the client's ``hello`` must come first and
+    only once; the daemon's ``welcome`` must answer it before anything else.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        close_fd: Callable[[int], None] = os.close,
+    ) -> None:
+        self.role = role
+        self.max_frame_bytes = max_frame_bytes
+        self._close_fd = close_fd
+        self._buffer = bytearray()
+        self._fds: deque[int] = deque()
+        self._peer_greeted = False
+        self._we_greeted = False
+        self._eof = False
+        self.dead: ProtocolError | None = None
+        self._peer_ops = _CLIENT_OPS if role is Role.DAEMON else _DAEMON_OPS
+
+    # -- receiving ---------------------------------------------------------------
+
+    def receive_data(self, data: bytes, fds: Iterable[int] = ()) -> None:
+        """Feed bytes (``b""`` means end of stream) and the descriptors that came with them."""
+        fds = list(fds)
+        if self.dead is not None:
+            self._close_all(fds)
+            return
+        if not data and not fds:
+            self._eof = True
+            return
+        self._buffer += data
+        self._fds.extend(fds)
+        if len(self._fds) > MAX_PENDING_FDS:
+            self._fail(
+                ProtocolError(
+                    ErrorCode.BAD_FRAME,
+                    f"{len(self._fds)} file descriptors queued without frames to claim them",
+                )
+            )
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None when more bytes are needed.
+
+        Raises ProtocolError (and the connection is dead) on any violation; raises EOFError
+        when the peer closed the stream cleanly between frames.
+        """
+        if self.dead is not None:
+            raise self.dead
+        if len(self._buffer) < _LENGTH.size:
+            return self._idle()
+        (length,) = _LENGTH.unpack_from(self._buffer)
+        if length > self.max_frame_bytes:
+            self._fail(
+                ProtocolError(
+                    ErrorCode.FRAME_TOO_LARGE,
+                    f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes}",
+                )
+            )
+        if length == 0:
+            self._fail(ProtocolError(ErrorCode.BAD_FRAME, "empty frame"))
+        if len(self._buffer) < _LENGTH.size + length:
+            if self._eof:
+                self._fail(ProtocolError(ErrorCode.BAD_FRAME, "stream ended inside a frame"))
+            return None
+        payload = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
+        del self._buffer[: _LENGTH.size + length]
+        frame = self._decode(payload)
+        if not self._buffer:
+            self._idle()
+        return frame
+
+    def _idle(self) -> None:
+        """Between frames: unclaimed descriptors or a torn length prefix are violations."""
+        if self._fds and not self._buffer:
+            self._fail(
+                ProtocolError(
+                    ErrorCode.BAD_FRAME,
+                    f"{len(self._fds)} file descriptors arrived that no frame declared",
+                )
+            )
+        if self._eof:
+            if self._buffer:
+                self._fail(ProtocolError(ErrorCode.BAD_FRAME, "stream ended inside a frame"))
+            raise EOFError("peer closed the connection")
+        return None
+
+    def _decode(self, payload: bytes) -> Frame:
+        try:
+            # unpackb bounds every container and string by the payload length, so a small
+            # frame cannot ask for a huge allocation; ext types are refused outright.
+            message = msgpack.unpackb(
+                payload, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
+            )
+        except Exception as exc:  # msgpack raises several unrelated types
+            self._fail(ProtocolError(ErrorCode.BAD_FRAME, f"undecodable frame: {exc}"))
+        if not isinstance(message, dict):
+            self._fail(ProtocolError(ErrorCode.BAD_FRAME, "a frame must be a msgpack map"))
+        request_id = message.pop("id", None)
+        op = message.pop("op", None)
+        nfds = message.pop("nfds", 0)
+        if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
+            self._fail(ProtocolError(ErrorCode.BAD_FRAME, "frame lacks a non-negative int id"))
+        if not isinstance(nfds, int) or isinstance(nfds, bool) or not 0 <= nfds <= 253:
+            self._fail(ProtocolError(ErrorCode.BAD_FRAME, "nfds must be an int in 0..253"))
+        if len(self._fds) < nfds:
+            self._fail(
+                ProtocolError(
+                    ErrorCode.BAD_FRAME,
+                    f"frame declares {nfds} file descriptors but {len(self._fds)} arrived",
+                    request_id,
+                )
+            )
+        fds = tuple(self._fds.popleft() for _ in range(nfds))
+        try:
+            self._check(op, message, request_id)
+        except ProtocolError as exc:
+            self._close_all(fds)
+            self._fail(exc)
+        return Frame(op, request_id, message, fds)
+
+    def _check(self, op: object, body: dict[str, Any], request_id: int) -> None:
+        if not isinstance(op, str) or op not in self._peer_ops:
+            raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown operation {op!r}", request_id)
+        handshake = _HANDSHAKE[Role.CLIENT if self.role is Role.DAEMON else Role.DAEMON]
+        if op == handshake:
+            if self._peer_greeted:
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"second {op}", request_id)
+            if body.get("version") != PROTOCOL_VERSION and isinstance(body.get("version"), int):
+                raise ProtocolError(
+                    ErrorCode.UNSUPPORTED_VERSION,
+                    f"protocol version {body['version']} is not supported; this side speaks "
+                    f"version {PROTOCOL_VERSION} — upgrade the older of client and daemon",
+                    request_id,
+                )
+        elif not self._peer_greeted and op != "error":
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{op} before {handshake}", request_id)
+        schema = self._peer_ops[op]
+        optional = _OPTIONAL.get(op, frozenset())
+        for name, types in schema.items():
+            if name not in body:
+                if name in optional:
+                    continue
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{op} lacks field {name!r}", request_id)
+            value = body[name]
+            if types is not _ANY and (
+                not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+            ):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"{op}.{name} must be {'/'.join(t.__name__ for t in types)}, "
+                    f"not {type(value).__name__}",
+                    request_id,
+                )
+        unknown = set(body) - set(schema)
+        if unknown:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"{op} has unknown fields {sorted(unknown)}", request_id
+            )
+        if op == handshake:
+            self._peer_greeted = True
+
+    def _fail(self, error: ProtocolError) -> None:
+        self.dead = error
+        self._close_all(self._fds)
+        self._fds.clear()
+        self._buffer.clear()
+        raise error
+
+    def _close_all(self, fds: Iterable[int]) -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                self._close_fd(fd)
+
+    def close(self) -> None:
+        """Drop buffered bytes and close descriptors nobody claimed."""
+        self._close_all(self._fds)
+        self._fds.clear()
+        self._buffer.clear()
+
+    # -- sending -----------------------------------------------------------------
+
+    def send(self, op: str, request_id: int, body: dict[str, Any], nfds: int = 0) -> bytes:
+        """Bytes for one frame we send; the caller passes ``nfds`` descriptors with them."""
+        ours = _DAEMON_OPS if self.role is Role.DAEMON else _CLIENT_OPS
+        if op not in ours:
+            raise ValueError(f"{self.role.value} cannot send {op!r}")
+        handshake = _HANDSHAKE[self.role]
+        if op == handshake:
+            self._we_greeted = True
+        elif not self._we_greeted and op != "error":
+            raise ValueError(f"{op} before {handshake}")
+        return encode_frame(op, request_id, body, nfds, max_bytes=self.max_frame_bytes)
+
+    def error_frame(
+        self, code: ErrorCode, message: str, request_id: int = 0, *, fatal: bool = False
+    ) -> bytes:
+        return self.send(
+            "error", request_id, {"code": str(code), "message": message, "fatal": fatal}
+        )
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not part of the protocol")
+
+
+def chunk_fds(fds: Sequence[int]) -> list[Sequence[int]]:
+    """Split descriptors into groups the kernel will pass in one sendmsg."""
+    return [fds[i : i + MAX_FDS_PER_FRAME] for i in range(0, len(fds), MAX_FDS_PER_FRAME)]
