@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,14 +190,18 @@ class Stager:
         path: str | os.PathLike[str],
         *,
         metadata: Mapping[str, Any] | None = None,
+        offsets: Mapping[str, Sequence[int]] | None = None,
     ) -> SaveHandle:
         """Stage ``state_dict`` and commit it to be written to the new directory ``path``.
 
         Returns once every tensor is copied: the caller may then change its tensors. The
         daemon then writes the checkpoint; ``SaveHandle.wait()`` reports the outcome.
+        ``metadata``: JSON values stored in the manifest (step, run id, ...). ``offsets``:
+        for tensors that are shards of a larger one, flat key -> offset of the shard in the
+        global tensor; part of the structure, so a changed offset never reuses buffers.
         """
         encoded, items = _flatten(state_dict)
-        layout = _layout_of(items)
+        layout = _layout_of(items, offsets or {})
         plain_metadata = _check_metadata(metadata)
         target = _Target.create(Path(path), self.data_file)
         try:
@@ -299,7 +303,12 @@ def _flatten(state_dict: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
         raise UnsupportedValue(f"{exc}; nothing was written") from None
 
 
-def _layout_of(items: list[tuple[str, torch.Tensor]]) -> Layout:
+def _layout_of(
+    items: list[tuple[str, torch.Tensor]], offsets: Mapping[str, Sequence[int]]
+) -> Layout:
+    unknown = set(offsets) - {key for key, _ in items}
+    if unknown:
+        raise UnsupportedValue(f"offsets given for keys not in the state dict: {sorted(unknown)}")
     specs = []
     for key, tensor in items:
         if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
@@ -322,7 +331,10 @@ def _layout_of(items: list[tuple[str, torch.Tensor]]) -> Layout:
                 f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store "
                 f"(supported: {supported()}); convert it first — nothing was written"
             )
-        specs.append(TensorSpec(key, dtype, tuple(tensor.shape)))
+        shard = offsets.get(key)
+        specs.append(
+            TensorSpec(key, dtype, tuple(tensor.shape), None if shard is None else tuple(shard))
+        )
     try:
         return Layout.of(specs)
     except LayoutError as exc:
@@ -371,13 +383,11 @@ class _Target:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
             target.data_fd = os.open(target.data_tmp, flags, 0o644, dir_fd=dir_fd)
             target.manifest_fd = os.open(target.manifest_tmp, flags, 0o644, dir_fd=dir_fd)
-        except OSError as exc:
+        except BaseException as exc:
             target.abort()
             target.close_fds()
-            raise SaveError(f"cannot create files in {path}: {exc.strerror}") from None
-        except BaseException:
-            target.abort()
-            target.close_fds()
+            if isinstance(exc, OSError) and not isinstance(exc, SaveError):
+                raise SaveError(f"cannot create files in {path}: {exc.strerror}") from None
             raise
         return target
 

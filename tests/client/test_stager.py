@@ -1,0 +1,338 @@
+"""Stager.save through a real shmstaged: every checkpoint equals the tensors of its own save."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from shmstage_client import (
+    CheckpointExists,
+    ChecksumError,
+    SlotUnavailable,
+    Stager,
+    UnsupportedValue,
+    load,
+)
+from shmstage_client.dtypes import TO_SAFETENSORS
+
+from shmstage import checkpoint, segment
+from shmstage.manifest import MANIFEST_NAME
+
+
+def train_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model[2].to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = model[2](model[1](model[0](torch.randn(8, 16))).to(torch.bfloat16)).float().sum()
+    loss.backward()
+    optimizer.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": 100,
+        "rng": torch.get_rng_state(),
+        "config": {
+            "name": "demo",
+            "dropout": 0.1,
+            "sizes": (16, 32, 4),
+            "note": None,
+            "flags": [True, False],
+        },
+    }
+
+
+def assert_same(actual: object, expected: object, where: str = "state") -> None:
+    """Bit-exact equality of nested structures, tensors compared byte for byte."""
+    assert type(actual) is type(expected) or (
+        isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
+    ), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        a = actual.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        e = expected.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, e), f"{where}: bytes differ"
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{where}[{i}]")
+    elif isinstance(expected, float) and expected != expected:
+        assert actual != actual, where
+    else:
+        assert actual == expected, where
+
+
+def clone(state: object) -> object:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: clone(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(clone(v) for v in state)
+    return state
+
+
+def test_model_and_optimizer_round_trip_bit_exact(daemon, ckpt: Path) -> None:
+    state = train_state()
+    expected = clone(state)
+    with Stager(daemon.socket) as stager:
+        result = stager.save(state, ckpt / "step-100", metadata={"step": 100}).wait(60)
+    assert result.bytes > 0 and result.stage_seconds >= 0 and result.persist_seconds > 0
+    assert sorted(os.listdir(ckpt / "step-100")) == sorted([MANIFEST_NAME, "model.safetensors"])
+    assert_same(load(ckpt / "step-100"), expected)
+    assert checkpoint.verify(ckpt / "step-100") == []
+    manifest = json.loads((ckpt / "step-100" / MANIFEST_NAME).read_text())
+    assert manifest["metadata"] == {"step": 100}
+    # Every tensor is also readable by the real safetensors library under its flat key.
+    with safe_open(str(ckpt / "step-100" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.0.weight").equal(expected["model"]["0.weight"])
+        assert f.get_tensor("model.2.weight").dtype == torch.bfloat16
+        assert f.get_tensor("optimizer.state.0.exp_avg").equal(
+            expected["optimizer"]["state"][0]["exp_avg"]
+        )
+        assert len(list(f.keys())) == len(manifest["tensors"])
+
+
+def test_every_safetensors_dtype_and_awkward_tensors(daemon, ckpt: Path) -> None:
+    base = torch.arange(64, dtype=torch.float32)
+    state: dict[str, torch.Tensor] = {}
+    for dtype in TO_SAFETENSORS:
+        if dtype.is_floating_point or dtype.is_complex:
+            state[str(dtype)] = (torch.randn(5, 3) * 4).to(dtype)
+        elif dtype is torch.bool:
+            state[str(dtype)] = torch.rand(7) > 0.5
+        else:
+            state[str(dtype)] = torch.arange(11).to(dtype)
+    matrix = base.view(8, 8)
+    state |= {
+        "transposed": matrix.t(),  # non-contiguous
+        "strided": base[::3],
+        "view_a": matrix[2:4],  # two views sharing one storage
+        "view_b": matrix[3:6],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+    }
+    expected = clone(state)
+    with Stager(daemon.socket) as stager:
+        stager.save(state, ckpt / "dtypes").wait(60)
+    assert_same(load(ckpt / "dtypes"), expected)
+    with safe_open(str(ckpt / "dtypes" / "model.safetensors"), "pt") as f:
+        for key in ("torch.float8_e4m3fn", "torch.bfloat16", "torch.bool", "transposed"):
+            assert_same(f.get_tensor(key), expected[key], key)
+
+
+def test_reallocation_under_unchanged_structure_saves_the_new_values(daemon, ckpt: Path) -> None:
+    """Bug 1 of the brief: a cache keyed on structure repeated stale data after reallocation."""
+    with Stager(daemon.socket) as stager:
+        for step in range(4):
+            state = {"w": torch.full((256,), float(step)), "b": torch.randn(16) + step}
+            expected = clone(state)
+            stager.save(state, ckpt / f"s{step}").wait(60)
+            del state  # the next save gets brand-new tensors at new addresses
+            assert_same(load(ckpt / f"s{step}"), expected)
+        assert stager._layout is not None and stager._layout.id == 1  # one registration
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_rapid_saves_mutated_right_after_return_each_equal_their_source(
+    daemon, ckpt: Path, slots: int
+) -> None:
+    """Bug 2 of the brief: a buffer reused while still being written corrupts checkpoints."""
+    weights = torch.zeros(1 << 18)  # 1 MiB
+    extra = torch.zeros(3, 7)
+    expected = []
+    handles = []
+    with Stager(daemon.socket, slots=slots) as stager:
+        for step in range(12):
+            weights.fill_(step)
+            extra.copy_(torch.randn(3, 7))
+            expected.append({"w": weights.clone(), "x": extra.clone()})
+            handles.append(stager.save({"w": weights, "x": extra}, ckpt / f"s{step}"))
+            weights.add_(1000)  # immediately scribble over the source
+            extra.zero_()
+        results = [h.wait(60) for h in handles]
+    for step, want in enumerate(expected):
+        assert_same(load(ckpt / f"s{step}"), want, f"checkpoint {step}")
+    assert all(r.slot_wait_seconds >= 0 for r in results)
+
+
+def test_structure_changes_register_new_layouts(daemon, ckpt: Path) -> None:
+    states = [
+        ({"a": torch.ones(4)}, None),
+        ({"a": torch.ones(4), "b": torch.zeros(2)}, None),  # added key
+        ({"a": torch.ones(5), "b": torch.zeros(2)}, None),  # changed shape
+        ({"a": torch.ones(5), "b": torch.zeros(2)}, {"a": [0]}),
+        ({"a": torch.full((5,), 7.0), "b": torch.zeros(2)}, {"a": [5]}),  # changed offset
+    ]
+    with Stager(daemon.socket) as stager:
+        layout_ids = []
+        for i, (state, offsets) in enumerate(states):
+            stager.save(state, ckpt / f"c{i}", offsets=offsets).wait(60)
+            layout_ids.append(stager._layout.id)
+            assert_same(load(ckpt / f"c{i}"), clone(state))
+        assert len(set(layout_ids)) == len(states)
+        manifest = json.loads((ckpt / "c4" / MANIFEST_NAME).read_text())
+        assert manifest["tensors"]["a"]["offsets"] == [5]
+        # Only the current layout's segments are alive: old ones were released.
+        assert len(daemon.segments()) == 2
+
+
+def test_two_clients_at_once_each_get_their_own_layouts(daemon, ckpt: Path) -> None:
+    code = """
+import sys, torch
+from shmstage_client import Stager
+sock, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(seed)
+with Stager(sock, slots=2) as st:
+    for i in range(5):
+        state = {"w": torch.randn(1000 + seed), f"only_{seed}": torch.randn(seed + 1)}
+        torch.save(state, f"{out}/expect-{seed}-{i}.pt")
+        st.save(state, f"{out}/c-{seed}-{i}")
+"""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(daemon.socket), str(ckpt), str(seed)])
+        for seed in (1, 2)
+    ]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    for seed in (1, 2):
+        for i in range(5):
+            expected = torch.load(ckpt / f"expect-{seed}-{i}.pt")
+            assert_same(load(ckpt / f"c-{seed}-{i}"), expected)
+    assert daemon.segments() == []  # both clients gone: everything released
+
+
+def test_existing_checkpoint_is_never_overwritten(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save({"a": torch.ones(3)}, ckpt / "c").wait(60)
+        before = (ckpt / "c" / "model.safetensors").read_bytes()
+        with pytest.raises(CheckpointExists, match="never overwrites"):
+            stager.save({"a": torch.zeros(3)}, ckpt / "c")
+    assert (ckpt / "c" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(ckpt / "c")) == sorted([MANIFEST_NAME, "model.safetensors"])
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"a": torch.ones(2), "bad": {1, 2}}, "state_dict['bad']: value of type builtins.set"),
+        ({"q": torch.ones(2, dtype=torch.complex128)}, "tensor 'q' has dtype torch.complex128"),
+        ({"s": torch.ones(2).to_sparse()}, "tensor 's'"),
+        ({"m": torch.empty(2, device="meta")}, "tensor 'm'"),
+    ],
+)
+def test_unsupported_values_fail_before_anything_is_written(
+    daemon, ckpt: Path, state: dict, message: str
+) -> None:
+    with Stager(daemon.socket) as stager, pytest.raises(UnsupportedValue) as info:
+        stager.save(state, ckpt / "bad")
+    assert message in str(info.value) and "nothing was written" in str(info.value)
+    assert not (ckpt / "bad").exists()
+    assert daemon.segments() == []
+
+
+def test_fail_fast_when_every_slot_is_busy(daemon, ckpt: Path) -> None:
+    big = {"w": torch.ones(32 << 20, dtype=torch.uint8)}
+    with Stager(daemon.socket, slots=1, wait_for_slot=False) as stager:
+        handles = [stager.save(big, ckpt / "first")]
+        failures = 0
+        for i in range(20):  # persisting 32 MiB with fsync outlasts some of these attempts
+            try:
+                handles.append(stager.save(big, ckpt / f"again-{i}"))
+            except SlotUnavailable as exc:
+                assert "busy" in str(exc)
+                failures += 1
+                break
+        for h in handles:
+            h.wait(60)
+    assert failures == 1
+    assert not any(p.name.endswith(".safetensors") for p in (ckpt / f"again-{i}").iterdir())
+
+
+def test_a_corrupted_file_is_caught_naming_key_and_file(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save({"a": torch.ones(100), "b": torch.arange(100.0)}, ckpt / "c").wait(60)
+    data = ckpt / "c" / "model.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-4] ^= 0xFF  # inside tensor "b"
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match=r"tensor 'b' in .*model\.safetensors: checksum"):
+        load(ckpt / "c")
+    cli = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", "verify", str(ckpt / "c")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 1 and "checksum mismatch" in cli.stdout
+
+
+def test_verify_cli_accepts_a_sound_checkpoint(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save(train_state(), ckpt / "ok").wait(60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", "verify", str(ckpt / "ok")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert cli.stdout.startswith("OK")
+    missing = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", "verify", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1 and "missing" in missing.stdout
+
+
+def test_a_stager_that_vanishes_leaves_no_segments(daemon, ckpt: Path) -> None:
+    code = """
+import os, sys, torch
+from shmstage_client import Stager
+st = Stager(sys.argv[1], slots=2)
+st.save({"w": torch.randn(4096)}, sys.argv[2]).wait(60)
+print("saved", flush=True)
+os._exit(0)  # no close(), no release: as if the trainer crashed
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "saved" in out.stdout, out.stderr
+    assert checkpoint.verify(ckpt / "c") == []
+    _wait_for(lambda: daemon.segments() == [], "segments released after the client died")
+
+
+def test_daemon_shutdown_unlinks_everything(daemon, ckpt: Path) -> None:
+    stager = Stager(daemon.socket, slots=2)
+    stager.save({"w": torch.randn(4096)}, ckpt / "c").wait(60)
+    assert len(daemon.segments()) == 2
+    assert daemon.stop() == 0
+    assert daemon.segments() == []
+    assert not daemon.socket.exists()
+    assert segment.list_names(daemon.instance) == []
+    stager._connection.close()
+
+
+def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

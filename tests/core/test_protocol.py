@@ -1,0 +1,229 @@
+"""The wire protocol, without sockets: bytes and descriptors in, frames and errors out."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import msgpack
+import pytest
+
+from shmstage.protocol import (
+    MAX_FDS_PER_FRAME,
+    PROTOCOL_VERSION,
+    Connection,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    chunk_fds,
+    encode_frame,
+)
+
+HELLO = {"version": PROTOCOL_VERSION, "client": "test", "pid": 1}
+
+
+def raw(message: object) -> bytes:
+    payload = msgpack.packb(message)
+    return struct.pack(">I", len(payload)) + payload
+
+
+def greeted_daemon_side() -> tuple[Connection, Connection]:
+    client, daemon = Connection(Role.CLIENT), Connection(Role.DAEMON)
+    daemon.receive_data(client.send("hello", 1, HELLO))
+    assert daemon.next_frame().op == "hello"
+    return client, daemon
+
+
+def test_a_frame_round_trips_across_arbitrary_chunking() -> None:
+    client, daemon = Connection(Role.CLIENT), Connection(Role.DAEMON)
+    data = client.send("hello", 7, HELLO) + client.send(
+        "register", 8, {"tensors": [["w", "F32", [2], None]], "slots": 2}
+    )
+    frames = []
+    for i in range(len(data)):  # one byte at a time
+        daemon.receive_data(data[i : i + 1])
+        while (frame := daemon.next_frame()) is not None:
+            frames.append(frame)
+    assert [(f.op, f.id) for f in frames] == [("hello", 7), ("register", 8)]
+    assert frames[1].body == {"tensors": [["w", "F32", [2], None]], "slots": 2}
+
+
+def test_needs_more_data_returns_none() -> None:
+    daemon = Connection(Role.DAEMON)
+    daemon.receive_data(Connection(Role.CLIENT).send("hello", 1, HELLO)[:5])
+    assert daemon.next_frame() is None
+
+
+def test_clean_eof_between_frames_raises_eoferror() -> None:
+    _, daemon = greeted_daemon_side()
+    daemon.receive_data(b"")
+    with pytest.raises(EOFError):
+        daemon.next_frame()
+
+
+def test_eof_inside_a_frame_is_a_protocol_error() -> None:
+    daemon = Connection(Role.DAEMON)
+    daemon.receive_data(Connection(Role.CLIENT).send("hello", 1, HELLO)[:-1])
+    daemon.receive_data(b"")
+    with pytest.raises(ProtocolError) as info:
+        daemon.next_frame()
+    assert info.value.code is ErrorCode.BAD_FRAME
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b"\x00\x00\x00\x03\xc1\xc1\xc1", ErrorCode.BAD_FRAME),  # 0xc1 is never valid msgpack
+        (raw([1, 2, 3]), ErrorCode.BAD_FRAME),
+        (raw({"op": "hello", "version": 1, "client": "x", "pid": 1}), ErrorCode.BAD_FRAME),
+        (raw({"op": "fly", "id": 1}), ErrorCode.UNKNOWN_OP),
+        (raw({"op": "register", "id": 1, "tensors": [], "slots": 1}), ErrorCode.OUT_OF_ORDER),
+        (
+            raw({"op": "hello", "id": 1, "version": 99, "client": "x", "pid": 1}),
+            ErrorCode.UNSUPPORTED_VERSION,
+        ),
+        (raw({"op": "hello", "id": 1, "version": 1, "client": 5, "pid": 1}), ErrorCode.BAD_REQUEST),
+        (
+            raw({"op": "hello", "id": 1, "version": 1, "client": "x", "pid": 1, "evil": 1}),
+            ErrorCode.BAD_REQUEST,
+        ),
+        (b"\x00\x00\x00\x00", ErrorCode.BAD_FRAME),
+        (struct.pack(">I", 1 << 31), ErrorCode.FRAME_TOO_LARGE),
+        (b"\x00\x00\x00\x05\xd4\x01\x02\x00\x00", ErrorCode.BAD_FRAME),  # ext type
+    ],
+    ids=[
+        "garbage",
+        "not-a-map",
+        "no-id",
+        "unknown-op",
+        "before-hello",
+        "version",
+        "wrong-type",
+        "unknown-field",
+        "empty",
+        "oversized",
+        "ext-type",
+    ],
+)
+def test_malformed_input_kills_the_connection_with_a_typed_error(
+    data: bytes, code: ErrorCode
+) -> None:
+    daemon = Connection(Role.DAEMON)
+    daemon.receive_data(data)
+    with pytest.raises(ProtocolError) as info:
+        daemon.next_frame()
+    assert info.value.code is code
+    with pytest.raises(ProtocolError):  # dead for good: a byte stream cannot resync
+        daemon.next_frame()
+
+
+def test_an_oversized_length_is_refused_before_the_payload_arrives() -> None:
+    daemon = Connection(Role.DAEMON, max_frame_bytes=1024)
+    daemon.receive_data(struct.pack(">I", 1025))
+    with pytest.raises(ProtocolError) as info:
+        daemon.next_frame()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_a_second_hello_is_out_of_order() -> None:
+    _client, daemon = greeted_daemon_side()
+    daemon.receive_data(raw({"op": "hello", "id": 2, **HELLO}))
+    with pytest.raises(ProtocolError) as info:
+        daemon.next_frame()
+    assert info.value.code is ErrorCode.OUT_OF_ORDER
+
+
+def test_deep_nesting_is_refused_not_a_crash() -> None:
+    _client, daemon = greeted_daemon_side()
+    nested: object = []
+    for _ in range(5000):
+        nested = [nested]
+    payload = b"\x91" * 5000 + b"\x90"  # 5000 nested one-element arrays, built by hand
+    daemon.receive_data(struct.pack(">I", len(payload)) + payload)
+    with pytest.raises(ProtocolError):
+        daemon.next_frame()
+
+
+def test_descriptors_are_handed_to_the_frame_that_declares_them() -> None:
+    client, daemon = greeted_daemon_side()
+    r, w = os.pipe()
+    daemon.receive_data(
+        client.send(
+            "commit",
+            3,
+            {
+                "layout": 1,
+                "slot": 0,
+                "data_file": "a.safetensors",
+                "data_tmp": "t",
+                "manifest_tmp": "m",
+                "tree": None,
+                "metadata": {},
+                "file_metadata": {},
+            },
+            nfds=2,
+        ),
+        [r, w],
+    )
+    frame = daemon.next_frame()
+    assert frame.fds == (r, w)
+    for fd in frame.fds:
+        os.close(fd)
+
+
+def test_undeclared_descriptors_are_closed_and_refused() -> None:
+    client, daemon = greeted_daemon_side()
+    r, w = os.pipe()
+    daemon.receive_data(client.send("status", 2, {}), [r])
+    assert daemon.next_frame().op == "status"
+    with pytest.raises(ProtocolError, match="no frame declared"):
+        daemon.next_frame()
+    with pytest.raises(OSError):
+        os.fstat(r)  # closed by the connection, not leaked
+    os.close(w)
+
+
+def test_missing_descriptors_are_refused() -> None:
+    client, daemon = greeted_daemon_side()
+    daemon.receive_data(client.send("status", 2, {}, nfds=1))
+    with pytest.raises(ProtocolError, match="declares 1 file descriptors but 0"):
+        daemon.next_frame()
+
+
+def test_daemon_cannot_send_client_ops_and_nothing_precedes_the_greeting() -> None:
+    daemon = Connection(Role.DAEMON)
+    with pytest.raises(ValueError):
+        daemon.send("hello", 1, HELLO)
+    with pytest.raises(ValueError):
+        daemon.send("status", 1, {"status": {}})
+    assert daemon.error_frame(ErrorCode.NOT_ALLOWED, "no")  # errors may precede a greeting
+
+
+def test_encoder_refuses_what_the_peer_would_refuse() -> None:
+    with pytest.raises(ValueError):
+        encode_frame("status", 1, {"blob": b"x" * 2000}, max_bytes=1000)
+    with pytest.raises(ValueError):
+        encode_frame("status", 1, {}, nfds=MAX_FDS_PER_FRAME + 1, max_bytes=1000)
+
+
+def test_fds_are_chunked_to_the_kernel_limit() -> None:
+    chunks = chunk_fds(list(range(600)))
+    assert [len(c) for c in chunks] == [253, 253, 94]
+
+
+def test_client_side_checks_daemon_frames() -> None:
+    client = Connection(Role.CLIENT)
+    client.send("hello", 1, HELLO)
+    daemon = Connection(Role.DAEMON)
+    client.receive_data(
+        daemon.send(
+            "welcome",
+            1,
+            {"version": PROTOCOL_VERSION, "daemon": "d", "instance": "i", "limits": {}},
+        )
+    )
+    assert client.next_frame().op == "welcome"
+    client.receive_data(raw({"op": "register", "id": 2, "tensors": [], "slots": 1}))
+    with pytest.raises(ProtocolError) as info:
+        client.next_frame()
+    assert info.value.code is ErrorCode.UNKNOWN_OP

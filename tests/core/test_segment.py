@@ -1,0 +1,54 @@
+"""Segments: private, reserved up front, named so their daemon instance can be told."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from shmstage import segment
+
+
+def test_create_reserves_and_restricts() -> None:
+    instance = segment.new_instance_id()
+    ref = segment.create(instance, 10_000)
+    try:
+        st = os.stat(segment.SHM_DIR + ref.name)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_size == 10_000
+        assert st.st_blocks * 512 >= 10_000  # fallocate really reserved pages
+        assert segment.instance_of(ref.name) == instance
+        assert segment.list_names(instance) == [ref.name]
+        fd = segment.open_fd(ref, writable=True)
+        mapping = segment.map_fd(fd, ref.size, writable=True)
+        os.close(fd)
+        mapping[:3] = b"abc"  # mapping outlives its descriptor
+        mapping.close()
+    finally:
+        assert segment.unlink(ref.name)
+    assert segment.list_names(instance) == []
+    assert not segment.unlink(ref.name)
+
+
+def test_zero_byte_tensors_get_a_mappable_segment() -> None:
+    ref = segment.create(segment.new_instance_id(), 0)
+    try:
+        assert ref.size == 1
+    finally:
+        segment.unlink(ref.name)
+
+
+def test_a_full_dev_shm_is_an_error_not_a_sigbus() -> None:
+    free = os.statvfs(segment.SHM_DIR)
+    too_big = (free.f_blocks + 1) * free.f_frsize
+    instance = segment.new_instance_id()
+    with pytest.raises(segment.SegmentError, match="is full") as info:
+        segment.create(instance, too_big)
+    assert "free space there" in str(info.value)
+    assert segment.list_names(instance) == []  # nothing left behind
+
+
+def test_foreign_names_are_not_ours() -> None:
+    assert segment.instance_of("/psm_1234") is None
+    assert segment.instance_of("/shmstage.abc.def") is None

@@ -1,0 +1,97 @@
+"""Nested structure encoding: everything a state dict holds comes back exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from shmstage import tree
+
+
+class Leaf:
+    """Stands in for a tensor: the core never imports torch."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def is_leaf(value: object) -> bool:
+    return isinstance(value, Leaf)
+
+
+def test_round_trip_keeps_types_keys_and_order() -> None:
+    a, b = Leaf("a"), Leaf("b")
+    original = {
+        "model": {"w": a},
+        "optim": {
+            "state": {0: {"step": 3, "exp_avg": b}},
+            "param_groups": [
+                {
+                    "lr": 0.1,
+                    "betas": (0.9, 0.999),
+                    "params": [0, 1],
+                    "foreach": None,
+                    "amsgrad": False,
+                }
+            ],
+        },
+        "name": "run-1",
+        "nan": float("nan"),
+        "inf": -math.inf,
+        "big": 2**70,
+    }
+    encoded, tensors = tree.flatten(original, is_leaf)
+    assert [key for key, _ in tensors] == ["model.w", "optim.state.0.exp_avg"]
+    encoded = json.loads(json.dumps(encoded))  # must survive JSON, as in the manifest
+    by_key = dict(tensors)
+    restored = tree.unflatten(encoded, lambda key: by_key[key])
+    assert restored["optim"]["state"][0]["exp_avg"] is b
+    assert list(restored["optim"]["state"]) == [0]  # int key stays int
+    assert restored["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)  # tuple stays tuple
+    assert math.isnan(restored["nan"]) and restored["inf"] == -math.inf
+    assert restored["big"] == 2**70
+    assert list(restored) == list(original)
+    assert tree.tensor_keys(encoded) == ["model.w", "optim.state.0.exp_avg"]
+
+
+def test_floats_are_bit_exact() -> None:
+    values = [0.1, -0.0, 5e-324, 1.7976931348623157e308]
+    encoded, _ = tree.flatten(values, is_leaf)
+    restored = tree.unflatten(json.loads(json.dumps(encoded)), lambda k: None)
+    assert [v.hex() for v in restored] == [v.hex() for v in values]
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ({"x": {1, 2}}, "state_dict['x']: value of type builtins.set"),
+        ({"x": [object()]}, "state_dict['x'][0]"),
+        ({(1, 2): 3}, "dict key (1, 2)"),
+        ({"x": b"bytes"}, "builtins.bytes"),
+    ],
+)
+def test_unsupported_values_are_named_by_path(value: object, fragment: str) -> None:
+    with pytest.raises(tree.TreeError, match=None) as info:
+        tree.flatten(value, is_leaf)
+    assert fragment in str(info.value)
+
+
+def test_colliding_flat_keys_are_refused() -> None:
+    with pytest.raises(tree.TreeError, match=r"both flatten to key 'a\.b'"):
+        tree.flatten({"a": {"b": Leaf("1")}, "a.b": Leaf("2")}, is_leaf)
+
+
+def test_nesting_is_bounded() -> None:
+    deep: object = Leaf("x")
+    for _ in range(tree.MAX_DEPTH + 5):
+        deep = [deep]
+    with pytest.raises(tree.TreeError, match="deeper"):
+        tree.flatten(deep, is_leaf)
+
+
+def test_malformed_encodings_are_rejected() -> None:
+    for bad in [{"x": 1}, {"d": [[1]]}, {"T": 5}, {"l": 3}, [1, 2]]:
+        with pytest.raises(tree.TreeError):
+            tree.unflatten(bad, lambda k: None)

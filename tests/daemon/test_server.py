@@ -1,0 +1,231 @@
+"""shmstaged as a process: admission, hostile frames, ownership, lifecycle, never torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import RawClient, start_daemon
+from shmstage_client import DaemonLost, DaemonUnavailable, Stager
+
+from shmstage import checkpoint, segment
+from shmstage.protocol import PROTOCOL_VERSION
+
+
+def test_garbage_and_oversized_frames_get_errors_and_spare_other_clients(
+    daemon, raw_client, ckpt: Path
+) -> None:
+    state = {"w": torch.randn(16 << 20)}  # 64 MiB: its persist overlaps the attacks
+    expected = state["w"].clone()
+    with Stager(daemon.socket) as stager:
+        handle = stager.save(state, ckpt / "c")
+        garbage = raw_client()
+        garbage.send_raw(b"\x00\x00\x00\x04\xc1\xc1\xc1\xc1")
+        frame = garbage.frame()
+        assert frame.op == "error" and frame.body["code"] == "bad_frame" and frame.body["fatal"]
+        with pytest.raises(EOFError):
+            garbage.frame()
+        huge = raw_client()
+        huge.send_raw(struct.pack(">I", 1 << 31))
+        frame = huge.frame()
+        assert frame.body["code"] == "frame_too_large"
+        early = raw_client(hello=False)
+        early.request("hello", {"version": PROTOCOL_VERSION, "client": "x", "pid": 1})
+        early.frame()
+        early.send_raw(
+            early.conn.send("hello", 9, {"version": PROTOCOL_VERSION, "client": "x", "pid": 1})
+        )
+        assert early.frame().body["code"] == "out_of_order"
+        handle.wait(60)
+        # The well-behaved client carries on with more saves on the same connection.
+        stager.save(state, ckpt / "d").wait(60)
+    assert checkpoint.verify(ckpt / "c") == []
+    assert torch.equal(checkpoint_tensor(ckpt / "c", "w"), expected)
+
+
+def checkpoint_tensor(path: Path, key: str) -> torch.Tensor:
+    from shmstage_client import load
+
+    return load(path)[key]
+
+
+def test_unsupported_protocol_version_is_refused_with_advice(raw_client) -> None:
+    client = raw_client(hello=False)
+    client.request("hello", {"version": 99, "client": "future", "pid": 1})
+    frame = client.frame()
+    assert frame.body["code"] == "unsupported_version"
+    assert "upgrade" in frame.body["message"]
+
+
+def test_slots_are_used_only_by_their_holder(raw_client) -> None:
+    owner = raw_client()
+    owner.request("register", {"tensors": [["w", "F32", [4], None]], "slots": 1})
+    registered = owner.frame()
+    layout = registered.body["layout"]
+    fds_frame = owner.frame()
+    for fd in fds_frame.fds:
+        os.close(fd)
+    # Committing a slot never acquired is refused.
+    r, w = os.pipe()
+    owner.request(
+        "commit",
+        {
+            "layout": layout,
+            "slot": 0,
+            "data_file": "m.safetensors",
+            "data_tmp": ".m.safetensors.0123456789abcdef.shmstage-tmp",
+            "manifest_tmp": ".shmstage-manifest.json.0123456789abcdef.shmstage-tmp",
+            "tree": None,
+            "metadata": {},
+            "file_metadata": {},
+        },
+        [r, w, r],
+    )
+    refusal = owner.frame()
+    assert refusal.op == "error" and refusal.body["code"] in ("bad_request", "slot_not_owned")
+    os.close(r)
+    os.close(w)
+    owner.request("acquire", {"layout": layout, "wait": False, "timeout": None})
+    assert owner.frame().op == "acquired"
+    owner.request("acquire", {"layout": layout, "wait": False, "timeout": None})
+    assert owner.frame().body["code"] == "no_free_slot"
+    # Another client cannot touch, or even see, this layout.
+    other = raw_client()
+    for op, body in [
+        ("acquire", {"layout": layout, "wait": False, "timeout": None}),
+        ("cancel", {"layout": layout, "slot": 0}),
+        ("release", {"layout": layout}),
+    ]:
+        other.request(op, body)
+        assert other.frame().body["code"] == "unknown_layout"
+    owner.request("cancel", {"layout": layout, "slot": 0})
+    assert owner.frame().op == "cancelled"
+    owner.request("cancel", {"layout": layout, "slot": 0})
+    assert owner.frame().body["code"] == "slot_not_owned"
+
+
+def test_waiting_for_a_slot_times_out_with_a_clear_error(raw_client) -> None:
+    client = raw_client()
+    client.request("register", {"tensors": [["w", "U8", [1], None]], "slots": 1})
+    layout = client.frame().body["layout"]
+    for fd in client.frame().fds:
+        os.close(fd)
+    client.request("acquire", {"layout": layout, "wait": True, "timeout": 0.2})
+    assert client.frame().op == "acquired"
+    started = time.monotonic()
+    client.request("acquire", {"layout": layout, "wait": True, "timeout": 0.2})
+    frame = client.frame()
+    assert frame.body["code"] == "no_free_slot" and "within 0.2 s" in frame.body["message"]
+    assert time.monotonic() - started < 5
+
+
+def test_the_daemon_never_imports_torch(daemon) -> None:
+    with Stager(daemon.socket) as stager:  # exercise the daemon's whole path first
+        stager.save({"w": torch.ones(3)}, daemon.socket.parent / "c").wait(60)
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "torch" not in maps
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, shmstage_daemon.main, shmstage_daemon.server, shmstage_daemon.job, "
+            "shmstage.checkpoint, shmstage.cli; print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.strip() == "False", probe.stderr
+
+
+def test_missing_daemon_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    with pytest.raises(DaemonUnavailable, match=r"no such file — is the service running"):
+        Stager(tmp_path / "nope.sock")
+
+
+def test_a_client_whose_daemon_dies_gets_an_exception(daemon, ckpt: Path) -> None:
+    stager = Stager(daemon.socket)
+    stager.save({"w": torch.ones(4)}, ckpt / "a").wait(60)
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    started = time.monotonic()
+    with pytest.raises(DaemonLost):
+        stager.save({"w": torch.ones(4)}, ckpt / "b").wait(30)
+    assert time.monotonic() - started < 10
+    assert checkpoint.verify(ckpt / "a") == []  # what was persisted is untouched
+    assert not checkpoint.is_complete(ckpt / "b")
+    assert not any(p.suffix == ".safetensors" for p in (ckpt / "b").iterdir())
+    stager.close(timeout=1)
+
+
+def test_sigterm_finishes_in_flight_checkpoints_then_exits_clean(daemon, ckpt: Path) -> None:
+    stager = Stager(daemon.socket)
+    handle = stager.save({"w": torch.randn(32 << 20)}, ckpt / "big")  # 128 MiB with fsync
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(60) == 0
+    assert checkpoint.verify(ckpt / "big") == []
+    try:
+        handle.wait(5)  # the result may or may not have reached us before the socket closed
+    except DaemonLost:
+        pass
+    assert segment.list_names(daemon.instance) == []
+    stager.close(timeout=1)
+
+
+def test_sigint_also_stops_cleanly(daemon) -> None:
+    assert daemon.stop(signal.SIGINT) == 0
+    assert "stopped" in daemon.log()
+
+
+def test_a_second_daemon_refuses_a_live_socket(daemon, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstage_daemon.main", "--socket", str(daemon.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "already serving" in out.stderr
+    assert daemon.proc.poll() is None
+
+
+def test_segments_of_a_killed_daemon_are_reaped_by_the_next(tmp_path: Path, ckpt: Path) -> None:
+    first = start_daemon(tmp_path / "one")
+    stager = Stager(first.socket, slots=2)
+    stager.save({"w": torch.ones(100), "b": torch.ones(3)}, ckpt / "c").wait(60)
+    assert len(first.segments()) == 4
+    first.proc.kill()
+    first.proc.wait(10)
+    stager.close(timeout=1)
+    assert len(first.segments()) == 4  # SIGKILL leaves them behind
+    second = start_daemon(tmp_path / "two")
+    try:
+        assert first.segments() == []
+        assert "reaped 4 segment(s)" in second.log()
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_live_daemon_s_segments_are_never_reaped(daemon, tmp_path: Path, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save({"w": torch.ones(10)}, ckpt / "c").wait(60)
+        other = start_daemon(tmp_path / "other")
+        try:
+            assert len(daemon.segments()) == 1
+        finally:
+            other.stop()
+        stager.save({"w": torch.ones(10)}, ckpt / "d").wait(60)
+
+
+def test_raw_client_helper_is_sound(daemon) -> None:
+    client = RawClient(daemon.socket)
+    client.request("status", {})
+    status = client.frame().body["status"]
+    assert status["instance"] == daemon.instance and len(status["clients"]) == 1
+    client.close()

@@ -1,0 +1,118 @@
+"""Test harness: start a real shmstaged, and a raw protocol client that may misbehave."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shmstage import segment
+
+
+def shmstaged_command() -> list[str]:
+    exe = shutil.which("shmstaged", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "shmstage_daemon.main"]
+
+
+@dataclass
+class RunningDaemon:
+    socket: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    instance: str = field(default="")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def segments(self) -> list[str]:
+        """Names in /dev/shm belonging to this daemon instance."""
+        return segment.list_names(self.instance) if self.instance else []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_daemon(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> RunningDaemon:
+    tmp.mkdir(parents=True, exist_ok=True)
+    sock = tmp / "shmstaged.sock"
+    log_path = tmp / "shmstaged.log"
+    log_file = log_path.open("wb")
+    proc = subprocess.Popen(
+        [*shmstaged_command(), "--socket", str(sock), "--log-level", "debug", *extra],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+    log_file.close()
+    daemon = RunningDaemon(sock, proc, log_path)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shmstaged exited with {proc.returncode}:\n{daemon.log()}")
+        if "listening on" in daemon.log():
+            text = daemon.log()
+            daemon.instance = text.split("(instance ", 1)[1][:16]
+            return daemon
+        time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError(f"shmstaged did not start within 20 s:\n{daemon.log()}")
+
+
+class RawClient:
+    """A protocol-level client for tests that must misbehave on purpose."""
+
+    def __init__(self, path: Path, *, hello: bool = True) -> None:
+        import socket as _socket
+
+        from shmstage.protocol import PROTOCOL_VERSION, Connection, Role
+
+        self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(str(path))
+        self.conn = Connection(Role.CLIENT)
+        self.ids = iter(range(1, 1 << 30))
+        if hello:
+            self.request(
+                "hello", {"version": PROTOCOL_VERSION, "client": "raw", "pid": os.getpid()}
+            )
+            assert self.frame().op == "welcome"
+
+    def request(self, op: str, body: dict, fds: list[int] | None = None) -> int:
+        import socket as _socket
+
+        rid = next(self.ids)
+        data = self.conn.send(op, rid, body, len(fds or []))
+        if fds:
+            _socket.send_fds(self.sock, [data], fds)
+        else:
+            self.sock.sendall(data)
+        return rid
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frame(self, timeout: float = 10):
+        """The next frame from the daemon; EOFError when it closed the connection."""
+        import socket as _socket
+
+        deadline = time.monotonic() + timeout
+        while True:
+            frame = self.conn.next_frame()
+            if frame is not None:
+                return frame
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no frame from shmstaged")
+            self.sock.settimeout(remaining)
+            data, fds, _, _ = _socket.recv_fds(self.sock, 1 << 16, 253)
+            self.conn.receive_data(data, fds)
+
+    def close(self) -> None:
+        self.sock.close()
