@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,11 @@ class BenchContext:
     socket: str | None = None
     slots: int = 2
     daemon: ShmstageDaemon | None = None
+    owns_process_group: bool = False
+
+    def ensure_process_group(self) -> None:
+        """Create the one-rank process group some peers need, remembering that we did."""
+        self.owns_process_group |= ensure_process_group(self.device)
 
     def shmstage_socket(self) -> str:
         """The socket to talk to: ``--socket`` if given, else a daemon this bench starts once."""
@@ -81,6 +87,12 @@ class BenchContext:
         """Stop the daemon this bench started (never one it was pointed at)."""
         if self.daemon is not None:
             self.daemon.stop()
+        if self.owns_process_group:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self.owns_process_group = False
 
 
 def synchronize(device: torch.device) -> None:
@@ -89,7 +101,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ensure_process_group(device: torch.device) -> None:
+def ensure_process_group(device: torch.device) -> bool:
     """A one-rank, in-process process group for DCP and nvidia-resiliency-ext.
 
     Both coordinate ranks through ``torch.distributed`` even with a single rank, and DCP's
@@ -101,9 +113,10 @@ def ensure_process_group(device: torch.device) -> None:
     if not dist.is_available():
         raise MethodUnavailable("torch.distributed is not available in this build")
     if dist.is_initialized():
-        return
+        return False
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 def _host_view(t: torch.Tensor) -> memoryview:
@@ -260,7 +273,7 @@ class DcpSave(Method):
     def setup(self, state_dict: StateDict) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.kwargs = _dcp_single_process(dcp.save, self.device)
+        self.kwargs = _dcp_single_process(dcp.save, self.ctx)
 
     def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
         import torch.distributed.checkpoint as dcp
@@ -271,7 +284,7 @@ class DcpSave(Method):
         return Timing(dt, dt)
 
 
-def _dcp_single_process(fn: Callable[..., Any], device: torch.device) -> dict[str, Any]:
+def _dcp_single_process(fn: Callable[..., Any], ctx: BenchContext) -> dict[str, Any]:
     """Keyword arguments that make a DCP call run as one process without collectives.
 
     With one rank there is nothing to coordinate, and DCP's ``no_dist`` skips the
@@ -279,8 +292,10 @@ def _dcp_single_process(fn: Callable[..., Any], device: torch.device) -> dict[st
     A torch whose function lacks ``no_dist`` gets a one-rank process group instead.
     """
     if "no_dist" in inspect.signature(fn).parameters:
+        # Some versions warn on every save that they "assume" single-process intent.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return {"no_dist": True}
-    ensure_process_group(device)
+    ctx.ensure_process_group()
     return {}
 
 
@@ -310,7 +325,7 @@ class DcpAsyncSave(Method):
     def setup(self, state_dict: StateDict) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.kwargs = _dcp_single_process(dcp.async_save, self.device)
+        self.kwargs = _dcp_single_process(dcp.async_save, self.ctx)
 
     def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
         import torch.distributed.checkpoint as dcp
@@ -334,7 +349,7 @@ class DcpAsyncDefaultStager(Method):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        self.kwargs = _dcp_single_process(dcp.async_save, self.device)
+        self.kwargs = _dcp_single_process(dcp.async_save, self.ctx)
 
         if self.device.type == "cuda":
             opts = StagingOptions(
@@ -403,7 +418,7 @@ class NvrxShmCached(Method):
 
     def setup(self, state_dict: StateDict) -> None:
         self.core, self.fsa, self.saver = _import_nvrx(self.device)
-        ensure_process_group(self.device)
+        self.ctx.ensure_process_group()
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         self.planner_cls = DefaultSavePlanner
@@ -447,7 +462,7 @@ class NvrxTorchAsync(Method):
 
     def setup(self, state_dict: StateDict) -> None:
         _import_nvrx(self.device)
-        ensure_process_group(self.device)
+        self.ctx.ensure_process_group()
         from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import (
             TorchAsyncCheckpoint,
         )
