@@ -223,10 +223,7 @@ class Connection:
             return None
         payload = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
         del self._buffer[: _LENGTH.size + length]
-        frame = self._decode(payload)
-        if not self._buffer:
-            self._idle()
-        return frame
+        return self._decode(payload)
 
     def _idle(self) -> None:
         """Between frames: unclaimed descriptors or a torn length prefix are violations."""

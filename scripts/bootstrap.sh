@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create .venv with the three packages editable and a pinned CPU torch. Idempotent: it
+# reinstalls only when a pyproject or the constraints change. `--test` also installs the
+# test tools, and systemd's analysis tools when the machine lacks them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "shmstage needs Python 3.11 or newer; set PYTHON=python3.11 (found $("$PYTHON" -V))" >&2
+  exit 1
+}
+[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+
+stamp="$VENV/.shmstage-$(cat pyproject.toml daemon/pyproject.toml client/pyproject.toml \
+  constraints.txt | sha256sum | cut -c1-16)-$want_test"
+if [[ ! -e $stamp ]]; then
+  pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+  # This machine's pip configuration names index folders that may be absent: hide that noise.
+  quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+  quiet "${pip[@]}" -e . -e daemon -e "client[bench]"
+  if (( want_test )); then
+    quiet "${pip[@]}" pytest pytest-timeout safetensors hypothesis ruff
+  fi
+  rm -f "$VENV"/.shmstage-*
+  touch "$stamp"
+fi
+
+if (( want_test )) && ! command -v systemd-analyze >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing systemd's tools for the unit tests (apt-get install systemd)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd \
+      >/dev/null) || echo "could not install systemd; its unit tests will be skipped" >&2
+  else
+    echo "systemd-analyze not found; the unit-file tests will be skipped" >&2
+  fi
+fi
