@@ -35,7 +35,7 @@ from shmstage_client.errors import (
     SaveTimeout,
     UnsupportedValue,
 )
-from shmstage_client.staging import MappedLayout, copy_into
+from shmstage_client.staging import CopyEngine, MappedLayout
 
 log = logging.getLogger("shmstage.client")
 
@@ -124,8 +124,9 @@ class Stager:
 
     ``slots``: staging buffers per layout; with 2, a save can fill one while the previous
     checkpoint still streams from the other. ``wait_for_slot``: when every slot is busy,
-    wait (True, the default) or raise SlotUnavailable at once. Not thread-safe: one Stager
-    per training process.
+    wait (True, the default) or raise SlotUnavailable at once. ``pin``: page-lock the
+    segments for CUDA when a layout is registered — "auto" does so when the state dict
+    holds CUDA tensors. Not thread-safe: one Stager per training process.
     """
 
     def __init__(
@@ -137,7 +138,12 @@ class Stager:
         slot_timeout: float | None = None,
         request_timeout: float = 600.0,
         data_file: str = DEFAULT_DATA_FILE,
+        pin: bool | str = "auto",
     ) -> None:
+        if pin not in (True, False, "auto"):
+            raise ValueError(f"pin={pin!r}: use True, False or 'auto'")
+        self.pin = pin
+        self._copier = CopyEngine()
         names.check_plain_name(data_file, what="data file")
         if not data_file.endswith(SUFFIX):
             raise ValueError(f"data_file {data_file!r} must end in {SUFFIX}")
@@ -206,12 +212,12 @@ class Stager:
         target = _Target.create(Path(path), self.data_file)
         try:
             started = time.perf_counter()
-            mapped = self._mapped(layout)
+            mapped = self._mapped(layout, self._wants_pin(items))
             setup = time.perf_counter() - started
             slot, slot_wait = self._acquire(mapped)
             copy_started = time.perf_counter()
             try:
-                copy_into(mapped.slots[slot], [tensor for _, tensor in items])
+                self._copier.copy(mapped.slots[slot], [tensor for _, tensor in items])
             except BaseException:
                 self._cancel(mapped, slot)
                 raise
@@ -249,7 +255,17 @@ class Stager:
             self._pending.discard(handle)
         self._connection.forget_job(handle.job)
 
-    def _mapped(self, layout: Layout) -> MappedLayout:
+    def _wants_pin(self, items: list[tuple[str, torch.Tensor]]) -> bool:
+        if self.pin == "auto":
+            return any(tensor.device.type == "cuda" for _, tensor in items)
+        return bool(self.pin)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the current layout's segments are registered with CUDA."""
+        return self._layout is not None and self._layout.pinned is not None
+
+    def _mapped(self, layout: Layout, pin: bool = False) -> MappedLayout:
         """Reuse the registered layout when the structure is identical, else replace it."""
         if self._layout is not None and self._layout.structure_key == layout.structure_key:
             return self._layout
@@ -277,7 +293,7 @@ class Stager:
             raise
         finally:
             handle.finish()
-        self._layout = MappedLayout.from_fds(layout_id, layout, self.slots, fds)
+        self._layout = MappedLayout.from_fds(layout_id, layout, self.slots, fds, pin=pin)
         return self._layout
 
     def _acquire(self, mapped: MappedLayout) -> tuple[int, float]:

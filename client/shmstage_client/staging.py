@@ -24,6 +24,7 @@ import torch
 from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
+from shmstage_client.pinning import PinnedRanges, try_pin
 
 
 @dataclass
@@ -34,13 +35,24 @@ class MappedLayout:
     layout: Layout
     structure_key: str
     slots: list[list[torch.Tensor]] = field(default_factory=list)
+    pinned: PinnedRanges | None = None
     _maps: list[mmap.mmap] = field(default_factory=list)
 
     @classmethod
     def from_fds(
-        cls, layout_id: int, layout: Layout, slot_count: int, fds: Sequence[int]
+        cls,
+        layout_id: int,
+        layout: Layout,
+        slot_count: int,
+        fds: Sequence[int],
+        *,
+        pin: bool = False,
     ) -> MappedLayout:
-        """Map segment descriptors (slot-major order) and close them: mappings outlive fds."""
+        """Map segment descriptors (slot-major order) and close them: mappings outlive fds.
+
+        With ``pin``, every mapping is also registered with CUDA (once, here), so later
+        device-to-host copies into it run at pinned bandwidth.
+        """
         mapped = cls(layout_id, layout, layout.structure_key)
         expected = slot_count * len(layout.tensors)
         if len(fds) != expected:
@@ -52,6 +64,8 @@ class MappedLayout:
                 mapping = segment.map_fd(fd, segment.mapping_size(spec.nbytes), writable=True)
                 mapped._maps.append(mapping)
                 views.append(_typed_view(mapping, spec.nbytes, spec.dtype, spec.shape))
+            if pin:
+                mapped.pinned = try_pin([_raw(view) for view in views])
         except BaseException:
             views.clear()
             mapped.close()
@@ -64,7 +78,10 @@ class MappedLayout:
         return mapped
 
     def close(self) -> None:
-        """Unmap. Views handed out earlier must be gone, or the unmap is deferred to GC."""
+        """Unpin, then unmap. Views handed out earlier must be gone, or GC unmaps later."""
+        if self.pinned is not None:
+            self.pinned.release()  # CUDA must forget a range before it is unmapped
+            self.pinned = None
         self.slots.clear()
         for mapping in self._maps:
             with contextlib.suppress(BufferError):
@@ -84,24 +101,37 @@ def _typed_view(
     return raw.view(torch_dtype).view(shape)
 
 
-def copy_into(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """Copy every source into its slot view; returns when every byte has landed."""
-    cuda_pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for dst, src in zip(destinations, sources, strict=True):
-        if src.device.type == "cuda":
-            cuda_pairs.setdefault(src.device, []).append((dst, src))
-        else:
-            dst.copy_(src.detach())
-    for device, pairs in cuda_pairs.items():
-        _copy_from_cuda(device, pairs)
+def _raw(view: torch.Tensor) -> torch.Tensor:
+    """The bytes behind a typed slot view (empty for zero-size tensors)."""
+    return view.reshape(-1).view(torch.uint8)
 
 
-def _copy_from_cuda(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    caller = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(caller)  # the caller's pending writes to these tensors come first
-    with torch.cuda.stream(side):
-        for dst, src in pairs:
-            dst.copy_(src.detach(), non_blocking=True)
-    done = side.record_event()
-    done.synchronize()  # one event, not torch.cuda.synchronize(): other streams may run on
+class CopyEngine:
+    """Copies sources into slot views, keeping one side stream per CUDA device."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        """Copy every source into its slot view; returns when every byte has landed."""
+        cuda_pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in zip(destinations, sources, strict=True):
+            if src.device.type == "cuda":
+                cuda_pairs.setdefault(src.device, []).append((dst, src))
+            else:
+                dst.copy_(src.detach())
+        events = [self._copy_from_cuda(device, pairs) for device, pairs in cuda_pairs.items()]
+        for event in events:
+            event.synchronize()  # one event per device, never torch.cuda.synchronize()
+
+    def _copy_from_cuda(
+        self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.cuda.Event:
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # caller's pending writes first
+        with torch.cuda.stream(side):
+            for dst, src in pairs:
+                dst.copy_(src.detach(), non_blocking=True)
+        return side.record_event()

@@ -1,0 +1,101 @@
+"""The GPU fast path: pinned segments, side-stream copies, one event wait, nothing device-wide.
+
+These run only where CUDA is present (the GPU machine); everywhere else they are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from shmstage_client import Stager, load
+from shmstage_client.pinning import try_pin
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_segments_are_pinned_once_per_layout(daemon, ckpt: Path) -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a pinning failure would warn
+        with Stager(daemon.socket, slots=2) as stager:
+            stager.save(state, ckpt / "a").wait(60)
+            assert stager.pinned
+            ranges = stager._layout.pinned
+            assert len(ranges) == 4  # two tensors x two slots, registered once
+            stager.save(state, ckpt / "b").wait(60)
+            assert stager._layout.pinned is ranges  # reused, not registered again
+    assert torch.equal(load(ckpt / "b")["w"], state["w"].cpu())
+
+
+def test_cpu_only_state_is_not_pinned(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save({"w": torch.ones(10)}, ckpt / "a").wait(60)
+        assert not stager.pinned
+
+
+def test_in_place_updates_after_save_never_reach_the_checkpoint(daemon, ckpt: Path) -> None:
+    # 8 Mi float32 values stay exact under +1 steps (below 2**24); 32 MiB per save.
+    source = torch.arange(8 << 20, device="cuda", dtype=torch.float32)
+    snapshots = []
+    with Stager(daemon.socket, slots=2) as stager:
+        handles = []
+        for step in range(4):
+            source.add_(1.0)  # pending on the caller's stream when save() starts
+            snapshots.append(source.cpu())  # (this synchronizes only the test's view)
+            source.add_(1.0)
+            handles.append(stager.save({"w": source}, ckpt / f"s{step}"))
+            source.mul_(-1.0)  # in-place right after save() returns
+            source.mul_(-1.0)
+        for handle in handles:
+            handle.wait(120)
+    for step in range(4):
+        assert torch.equal(load(ckpt / f"s{step}")["w"], snapshots[step] + 1.0)
+
+
+def test_work_on_other_streams_does_not_delay_save(daemon, ckpt: Path) -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    with Stager(daemon.socket) as stager:
+        stager.save(state, ckpt / "warm").wait(60)  # registration out of the way
+        busy = torch.cuda.Stream()
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(int(3e9))  # ~2 s of spinning on another stream
+        started = time.perf_counter()
+        handle = stager.save(state, ckpt / "during")
+        stall = time.perf_counter() - started
+        still_busy = not busy.query()
+        handle.wait(60)
+        busy.synchronize()
+    assert still_busy, "the other stream finished first: the test proves nothing"
+    assert stall < 0.5, f"save() waited {stall:.2f} s: it synchronized more than its stream"
+    assert torch.equal(load(ckpt / "during")["w"], state["w"].cpu())
+
+
+def test_a_failed_registration_warns_once_and_leaves_cuda_usable() -> None:
+    buffer = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()  # already page-locked
+    with pytest.warns(RuntimeWarning, match="could not pin the staging segments"):
+        assert try_pin([buffer]) is None
+    # The sticky error was cleared: unrelated CUDA work runs and reports no stale error.
+    x = torch.ones(1024, device="cuda") * 2
+    torch.cuda.current_stream().synchronize()
+    assert float(x.sum()) == 2048.0
+
+
+def test_layouts_unregister_before_unmapping(daemon, ckpt: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for round_ in range(3):  # new mappings may land where old ones were
+            with Stager(daemon.socket) as stager:
+                stager.save({"w": torch.randn(1 << 18, device="cuda")}, ckpt / f"r{round_}")
+                assert stager.pinned
+            # a structure change also replaces (and so unregisters) a layout
+        with Stager(daemon.socket) as stager:
+            stager.save({"a": torch.randn(10, device="cuda")}, ckpt / "x").wait(60)
+            stager.save({"a": torch.randn(11, device="cuda")}, ckpt / "y").wait(60)
+            assert stager.pinned
