@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run the GPU tests and the benchmark on a CUDA machine straight from the source tree.
+# Usage: scripts/gpu-check.sh OUTDIR [tests|bench-8g|bench-1g]...
+# Wheels for packages the machine lacks may be put in .whl/ (installed to /tmp/site).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-check.sh OUTDIR [tests|bench-8g|bench-1g]...}; shift
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.:daemon:client${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__)'
+  df -h /dev/shm "${TMPDIR:-/tmp}"; nproc; free -g; } 2>&1 | tee "$out/machine.txt"
+for what in "$@"; do
+  case $what in
+    tests) python3 -m pytest -p no:cacheprovider -q -o addopts= tests/client/test_gpu.py \
+             tests/client/test_stager.py tests/core 2>&1 | tee "$out/tests.txt" ;;
+    bench-8g) python3 -m shmstage_client.bench --total-bytes 8GiB --tensors 500 \
+             --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 \
+             --json "$out/bench-8g.json" --png "$out/bench-8g.png" -q 2>&1 | tee "$out/bench-8g.txt" ;;
+    bench-1g) python3 -m shmstage_client.bench --total-bytes 1GiB --tensors 10000 \
+             --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 \
+             --json "$out/bench-1g.json" --png "$out/bench-1g.png" -q 2>&1 | tee "$out/bench-1g.txt" ;;
+    *) echo "unknown step $what" >&2; exit 2 ;;
+  esac
+done
