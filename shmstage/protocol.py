@@ -103,9 +103,14 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "tree": _ANY,
         "metadata": _MAP,
         "file_metadata": _MAP,
+        # How long the client's copy took and how long it waited for the slot: the daemon
+        # cannot see the training stall itself, and reports it in its metrics.
+        "stage_seconds": _NUM,
+        "slot_wait_seconds": _NUM,
     },
     "release": {"layout": _INT},
     "status": {},
+    "metrics": {},
 }
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "welcome": {"version": _INT, "daemon": _STR, "instance": _STR, "limits": _MAP},
@@ -117,10 +122,13 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "job_done": {"job": _INT, "ok": _BOOL, "result": _MAP},
     "released": {"layout": _INT},
     "status": {"status": _MAP},
+    "metrics": {"metrics": _MAP},
     "error": {"code": _STR, "message": _STR, "fatal": _BOOL},
 }
 _OPTIONAL: dict[str, frozenset[str]] = {
-    "commit": frozenset({"file_metadata", "metadata"}),
+    "commit": frozenset({"file_metadata", "metadata", "stage_seconds", "slot_wait_seconds"}),
+    # Without "slots" the daemon uses its configured default_slots.
+    "register": frozenset({"slots"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 

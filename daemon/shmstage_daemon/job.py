@@ -50,6 +50,21 @@ class Destination:
                 os.close(fd)
 
 
+class Progress:
+    """How far a job has got, for ``shmstage status``.
+
+    Only the job's writer thread assigns these attributes and the event loop only reads them
+    (single attribute stores are atomic in CPython), so progress reaches the loop without the
+    thread touching any state the loop owns.
+    """
+
+    __slots__ = ("phase", "written")
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.phase = "queued"
+
+
 @dataclass
 class PersistJob:
     id: int
@@ -61,6 +76,7 @@ class PersistJob:
     metadata: dict[str, Any]
     save_info: dict[str, Any]
     fsync: bool = True
+    progress: Progress = field(default_factory=Progress)
 
 
 @dataclass
@@ -161,16 +177,20 @@ def _write_data(job: PersistJob) -> tuple[int, list[int]]:
     _write_all(fd, job.header, 0)
     position = len(job.header)
     checksums = []
+    job.progress.phase = "writing"
     for spec, ref in zip(job.layout.tensors, job.segments, strict=True):
-        checksums.append(_stream_segment(ref, spec.nbytes, fd, position))
+        checksums.append(_stream_segment(ref, spec.nbytes, fd, position, job.progress))
         position += spec.nbytes
     os.ftruncate(fd, size)
+    job.progress.phase = "syncing"
     if job.fsync:
         os.fsync(fd)
     return size, checksums
 
 
-def _stream_segment(ref: SegmentRef, nbytes: int, fd: int, position: int) -> int:
+def _stream_segment(
+    ref: SegmentRef, nbytes: int, fd: int, position: int, progress: Progress
+) -> int:
     """Checksum and write one tensor straight from its mapping, chunk by chunk."""
     if nbytes == 0:
         return 0
@@ -186,6 +206,7 @@ def _stream_segment(ref: SegmentRef, nbytes: int, fd: int, position: int) -> int
                 chunk = view[start : min(start + WRITE_CHUNK, nbytes)]
                 crc = checksum(chunk, crc)
                 _write_all(fd, chunk, position + start)
+                progress.written += len(chunk)
                 chunk.release()
     finally:
         mapping.close()

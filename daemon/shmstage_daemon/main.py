@@ -1,92 +1,216 @@
-"""``shmstaged``: run the staging service in the foreground (systemd or a terminal)."""
+"""``shmstaged``: run the staging service in the foreground (systemd or a terminal).
+
+Configuration comes from the TOML file (``--config``, else /etc/shmstage/shmstaged.toml
+when it exists, else built-in defaults); command-line flags override single settings and
+keep overriding them across SIGHUP reloads. Any configuration problem stops the daemon
+before it serves, with exit status 78 (EX_CONFIG), which the unit does not restart on:
+restarting cannot fix a typo.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
-import os
-import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Final
 
-from shmstage.paths import default_socket_path
-from shmstage_daemon import __version__
+from shmstage.units import format_size
+from shmstage_daemon import __version__, logsetup
+from shmstage_daemon.admission import Allowlist
+from shmstage_daemon.config import Config, ConfigError, load_config
+from shmstage_daemon.notify import Notifier, listen_fds, unix_stream_listener
 from shmstage_daemon.server import Daemon, Settings, StartupError
+from shmstage_daemon.service import Service
 from shmstage_daemon.store import Limits
 
 log = logging.getLogger("shmstaged")
 
+EXIT_STARTUP: Final = 2
+EXIT_CONFIG: Final = 78  # sysexits.h EX_CONFIG; RestartPreventExitStatus= in the unit
 
-def default_budget() -> int:
-    """Half of /dev/shm: room for the staging of this node's trainers, not all of it."""
-    st = os.statvfs("/dev/shm")
-    return st.f_blocks * st.f_frsize // 2
+#: Flag destination -> Config field, for flags that override one setting of the file.
+_OVERRIDES: Final = {
+    "socket": "socket_path",
+    "writer_threads": "writer_threads",
+    "shutdown_timeout": "shutdown_timeout",
+    "log_level": "log_level",
+    "log_format": "log_format",
+    "shm_budget": "shm_budget",
+    "max_bytes": "max_bytes",
+    "max_segments": "max_segments",
+    "max_layouts": "max_layouts",
+    "max_jobs": "max_jobs",
+    "default_slots": "default_slots",
+    "metrics_port": "metrics_port",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shmstaged",
         description="Per-node checkpoint staging service: owns shared-memory segments that "
-        "trainers fill, and streams them to storage.",
+        "trainers fill, and streams them to storage. Flags override the configuration file.",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="TOML configuration (default: /etc/shmstage/shmstaged.toml when it exists, "
+        "else built-in defaults)",
+    )
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the configuration (file and flags), print the effective settings, exit",
     )
     parser.add_argument(
         "--socket",
         type=Path,
         default=None,
-        help="unix socket to listen on (default: $SHMSTAGE_SOCKET, "
+        help="unix socket to listen on (default: [server] socket_path, else $SHMSTAGE_SOCKET, "
         "else /run/shmstage/shmstaged.sock as root, else a per-user path)",
     )
-    parser.add_argument("--slots", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--writer-threads", type=int, default=4)
+    parser.add_argument("--writer-threads", type=int, default=None)
     parser.add_argument(
         "--no-fsync",
         action="store_true",
-        help="skip fsync (tests and scratch storage only: not crash-safe)",
+        help="fsync = never (tests and scratch storage only: not crash-safe)",
     )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=60.0,
+        default=None,
         help="seconds to let in-flight checkpoints finish on SIGTERM",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default=None, choices=["text", "json"])
+    parser.add_argument("--shm-budget", default=None, help='bytes, "64GiB" or "80%%" of /dev/shm')
+    parser.add_argument("--max-bytes", default=None, help="shared memory one client may hold")
+    parser.add_argument("--max-segments", type=int, default=None)
+    parser.add_argument("--max-layouts", type=int, default=None)
+    parser.add_argument("--max-jobs", type=int, default=None)
+    parser.add_argument("--default-slots", type=int, default=None)
+    parser.add_argument("--metrics-port", type=int, default=None)
     parser.add_argument("--version", action="version", version=f"shmstaged {__version__}")
     return parser
 
 
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the command line gives, as Config field names (absent flags omitted)."""
+    out = {field: getattr(args, dest) for dest, field in _OVERRIDES.items()}
+    if out["socket_path"] is not None:
+        out["socket_path"] = Path(out["socket_path"]).absolute()
+    if args.no_fsync:
+        out["fsync"] = "never"
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def load(path: Path | None, overrides: dict[str, Any]) -> Config:
+    """The file (or defaults) with the command line on top; what a reload re-runs."""
+    return load_config(path).replace(**overrides)
+
+
+def settings_of(config: Config) -> Settings:
+    limits: dict[str, int] = {
+        "shm_budget_bytes": config.shm_budget_bytes,
+        "max_client_segments": config.max_segments,
+        "max_client_layouts": config.max_layouts,
+        "max_client_jobs": config.max_jobs,
+    }
+    if config.max_bytes is not None:
+        limits["max_client_bytes"] = config.max_bytes
+    return Settings(
+        socket_path=config.socket_path,
+        limits=Limits(**limits),
+        allowlist=Allowlist(config.allowed_users, config.allowed_groups),
+        writer_threads=config.writer_threads,
+        fsync=config.fsync == "always",
+        shutdown_timeout=config.shutdown_timeout,
+        default_slots=config.default_slots,
+        config_source=config.source,
+    )
+
+
+def describe(config: Config) -> str:
+    """The effective settings, for ``--check-config`` (what the daemon would run with)."""
+    budget = f"{config.shm_budget_bytes} bytes ({format_size(config.shm_budget_bytes)})"
+    max_bytes = "budget only" if config.max_bytes is None else format_size(config.max_bytes)
+    lines = [
+        f"configuration OK: {config.source or 'built-in defaults (no file)'}",
+        f"  socket_path      {config.socket_path}",
+        f"  allowed_users    {sorted(config.allowed_users)}",
+        f"  allowed_groups   {sorted(config.allowed_groups)}",
+        f"  shutdown_timeout {config.shutdown_timeout:g} s",
+        f"  metrics_port     {config.metrics_port or 'off'}",
+        f"  shm_budget       {config.shm_budget} = {budget}",
+        f"  per client       max_bytes {max_bytes}, max_segments {config.max_segments}, "
+        f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",
+        f"  default_slots    {config.default_slots}",
+        f"  storage          writer_threads {config.writer_threads}, fsync {config.fsync}",
+        f"  log              level {config.log_level}, format {config.log_format}",
+    ]
+    lines += [f"warning: {w}" for w in config.warnings]
+    return "\n".join(lines)
+
+
+def activated_listener(sockets: list[socket.socket], path: Path) -> socket.socket | None:
+    """Pick the control socket systemd passed; the rest are closed (we serve only one)."""
+    if not sockets:
+        return None
+    chosen = unix_stream_listener(sockets, path) or unix_stream_listener(sockets)
+    for sock in sockets:
+        if sock is not chosen:
+            sock.close()
+    if chosen is None:
+        raise StartupError(
+            "socket activation passed no listening unix stream socket; check ListenStream= "
+            "in shmstaged.socket"
+        )
+    actual = chosen.getsockname()
+    if actual != str(path):
+        log.warning(
+            "serving the activated socket %s; [server] socket_path says %s — make them equal "
+            "so clients that read the configuration find the daemon",
+            actual,
+            path,
+        )
+    return chosen
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    settings = Settings(
-        socket_path=args.socket or default_socket_path(prefer_system=False),
-        limits=Limits(shm_budget_bytes=default_budget()),
-        writer_threads=args.writer_threads,
-        fsync=not args.no_fsync,
-        shutdown_timeout=args.shutdown_timeout,
-    )
-    daemon = Daemon(settings)
+    overrides = overrides_of(args)
+    # Taken first and unset at once, so nothing we start later mistakes them for its own.
+    passed = [] if args.check_config else listen_fds()
     try:
-        daemon.start()
+        config = load(args.config, overrides)
+    except ConfigError as exc:
+        print("shmstaged: configuration error; not starting:", file=sys.stderr)
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        print(describe(config))
+        return 0
+    logsetup.configure(config.log_level, config.log_format)
+    for warning in config.warnings:
+        log.warning("%s", warning)
+    notifier = Notifier(unset_environment=True)
+    daemon = Daemon(settings_of(config))
+    try:
+        daemon.start(activated_listener(passed, config.socket_path))
     except StartupError as exc:
         log.error("%s", exc)
-        return 2
-    return asyncio.run(_serve(daemon))
-
-
-async def _serve(daemon: Daemon) -> int:
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, daemon.request_stop)
-    await daemon.serve()
-    return 0
+        return EXIT_STARTUP
+    service = Service(
+        daemon, notifier, config, functools.partial(load, args.config, overrides), settings_of
+    )
+    return asyncio.run(service.run())
 
 
 if __name__ == "__main__":

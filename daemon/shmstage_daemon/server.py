@@ -21,15 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shmstage import segment
+from shmstage import instance, segment
 from shmstage.layout import Layout
 from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES, Connection, ErrorCode, Role
 from shmstage.segment import SegmentRef
-from shmstage_daemon import __version__, instance, job
+from shmstage.units import format_size
+from shmstage_daemon import __version__, job
 from shmstage_daemon.admission import Allowlist, peer_of
+from shmstage_daemon.config import measure_shm
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
-from shmstage_daemon.store import Limits, StagedLayout, Store
+from shmstage_daemon.store import Limits, StagedLayout, Store, StoreError
+from shmstage_daemon.telemetry import FinishedJob, Telemetry
 from shmstage_daemon.transport import Transport
 
 log = logging.getLogger("shmstaged")
@@ -49,6 +52,11 @@ class Settings:
     fsync: bool = True
     shutdown_timeout: float = 60.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    default_slots: int = 2
+    config_source: Path | None = None
+
+    #: What a SIGHUP reload can change in a running daemon; the rest needs a restart.
+    RELOADABLE = ("limits", "allowlist", "fsync", "shutdown_timeout", "default_slots")
 
 
 @dataclass
@@ -59,6 +67,7 @@ class JobRecord:
     slot: Slot
     started: float
     future: asyncio.Future[job.JobResult]
+    directory: str = "?"
 
 
 class Daemon:
@@ -73,6 +82,9 @@ class Daemon:
         self.stopping = False
         self.started = time.time()
         self.stats = {"saves": 0, "failed": 0, "bytes": 0}
+        self.telemetry = Telemetry()
+        #: True when systemd passed the listening socket: it is systemd's, never unlinked.
+        self.activated = False
         self._session_ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._lock: instance.InstanceLock | None = None
@@ -85,18 +97,28 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def start(self) -> None:
-        """Claim an instance, reap dead instances' segments, bind the socket."""
+    def start(self, listener: socket.socket | None = None) -> None:
+        """Claim an instance, reap dead instances' segments, bind the socket.
+
+        ``listener``: a socket systemd passed (socket activation); served as it is, and
+        left in place at exit because systemd keeps listening on it across restarts.
+        """
         self._lock = instance.InstanceLock.claim()
         self.instance = self._lock.instance
         reaped = instance.reap_dead()
         if reaped:
             log.info("reaped %d segment(s) left by dead shmstaged instances", reaped)
-        self._listener = bind(self.settings.socket_path)
+        if listener is not None:
+            self.activated = True
+            self._listener = listener
+            self.settings.socket_path = Path(listener.getsockname())
+        else:
+            self._listener = bind(self.settings.socket_path)
         log.info(
-            "shmstaged %s listening on %s (instance %s, admitting %s)",
+            "shmstaged %s listening on %s%s (instance %s, admitting %s)",
             __version__,
             self.settings.socket_path,
+            " (socket activation)" if self.activated else "",
             self.instance,
             self.settings.allowlist.describe(),
         )
@@ -157,8 +179,9 @@ class Daemon:
     async def _shutdown(self) -> None:
         if self._listener is not None:
             self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.settings.socket_path.unlink()
+            if not self.activated:
+                with contextlib.suppress(FileNotFoundError):
+                    self.settings.socket_path.unlink()
         pending = [record.future for record in self.jobs.values()]
         if pending:
             log.info(
@@ -174,6 +197,7 @@ class Daemon:
                     len(not_done),
                     self.settings.shutdown_timeout,
                 )
+        await self._flush_sessions()
         for session in list(self.sessions.values()):
             session.close()
         if self._pending_unlinks:
@@ -186,6 +210,55 @@ class Daemon:
         if self._lock is not None:
             self._lock.release()
         log.info("stopped; %d segment(s) unlinked at exit", len(set(leftover)))
+
+    async def _flush_sessions(self, timeout: float = 5.0) -> None:
+        """Let job results that just finished reach their clients before the sockets close.
+
+        A trainer whose checkpoint completed during shutdown then hears "durable", not
+        "connection lost"; a client that stopped reading cannot hold this up past ``timeout``.
+        """
+        tasks = [task for s in self.sessions.values() for task in s.pending_tasks()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    # -- configuration -----------------------------------------------------------
+
+    def reconfigure(self, new: Settings) -> list[str]:
+        """Apply a reloaded configuration without touching sessions, layouts or jobs.
+
+        New limits apply to the next registration, commit or acquire; what clients already
+        hold stays theirs. Returns the settings that changed but need a restart to apply.
+        """
+        old = self.settings
+        self.store.limits = new.limits
+        for name in Settings.RELOADABLE:
+            setattr(old, name, getattr(new, name))
+        self.fsync = new.fsync
+        needs_restart = []
+        if new.writer_threads != old.writer_threads:
+            needs_restart.append("writer_threads")
+        if new.socket_path != old.socket_path and not self.activated:
+            needs_restart.append("socket_path")
+        return needs_restart
+
+    def check_capacity(self, nbytes: int) -> None:
+        """Refuse a registration that /dev/shm or the node's memory cannot back right now.
+
+        The budget is a ceiling set at start; free tmpfs space and available memory move
+        with what trainers do, so each registration is checked against them as well.
+        """
+        cap = measure_shm()
+        if nbytes > cap.usable:
+            tight = "free space in /dev/shm" if cap.shm_free <= cap.mem_available else (
+                "memory available on this node"
+            )
+            raise StoreError(
+                ErrorCode.SHM_EXHAUSTED,
+                f"staging {nbytes} bytes ({format_size(nbytes)}) needs more than the "
+                f"{tight} ({format_size(cap.shm_free)} free in /dev/shm, "
+                f"{format_size(cap.mem_available)} memory available); free memory or "
+                "/dev/shm space, use fewer slots, or stage a smaller state dict",
+            )
 
     # -- helpers for sessions ----------------------------------------------------
 
@@ -231,8 +304,11 @@ class Daemon:
         self, session: Session, staged: StagedLayout, slot: Slot, persist: job.PersistJob
     ) -> None:
         loop = asyncio.get_running_loop()
+        directory = "?"
+        with contextlib.suppress(OSError):  # for status displays only; never used to write
+            directory = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
         future = asyncio.wrap_future(self._writers.submit(job.run, persist), loop=loop)
-        record = JobRecord(persist, session, staged, slot, time.perf_counter(), future)
+        record = JobRecord(persist, session, staged, slot, time.perf_counter(), future, directory)
         self.jobs[persist.id] = record
         future.add_done_callback(lambda f: self._job_done(record, f))
 
@@ -262,42 +338,101 @@ class Daemon:
         else:
             self.stats["failed"] += 1
             log.error("job %d failed: %s", result.job, result.message)
+        self.telemetry.job_finished(
+            FinishedJob(
+                result.job,
+                record.session.describe(),
+                time.time(),
+                result.ok,
+                result.bytes,
+                result.seconds,
+                record.directory,
+            ),
+            result.code,
+            result.message,
+        )
         self._collect(record.staged)
         if record.session.open:
             record.session.spawn(record.session.job_finished(record.persist, result))
 
     def status(self) -> dict[str, Any]:
+        """Everything ``shmstage status`` shows; plain data (it travels as msgpack)."""
+        now = time.perf_counter()
+        cap = measure_shm()
+        limits = self.store.limits
         return {
             "version": __version__,
             "instance": self.instance,
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started,
+            "socket": str(self.settings.socket_path),
+            "activated": self.activated,
+            "config": str(self.settings.config_source or ""),
+            "stopping": self.stopping,
             "shm_reserved_bytes": self.store.reserved_bytes,
-            "shm_budget_bytes": self.store.limits.shm_budget_bytes,
-            "clients": [
-                {
-                    "id": s.id,
-                    "name": s.client_name,
-                    "pid": s.peer.pid,
-                    "uid": s.peer.uid,
-                    "layouts": len(self.store.layouts_of(s.id)),
-                    "segments": sum(x.segment_count for x in self.store.layouts_of(s.id)),
-                    "bytes": sum(x.bytes_reserved for x in self.store.layouts_of(s.id)),
-                }
-                for s in self.sessions.values()
-            ],
+            "shm_budget_bytes": limits.shm_budget_bytes,
+            "shm": {
+                "total_bytes": cap.shm_total,
+                "free_bytes": cap.shm_free,
+                "memory_available_bytes": cap.mem_available,
+            },
+            "limits": {**limits.to_wire(), "default_slots": self.settings.default_slots},
+            "clients": [self._client_status(s) for s in self.sessions.values()],
             "jobs": [
                 {
                     "job": jid,
                     "client": r.session.id,
+                    "client_pid": r.session.peer.pid,
+                    "directory": r.directory,
+                    "data_file": r.persist.destination.data_file,
                     "bytes": r.persist.layout.nbytes,
-                    "running_seconds": time.perf_counter() - r.started,
+                    "bytes_written": r.persist.progress.written,
+                    "phase": r.persist.progress.phase,
+                    "running_seconds": now - r.started,
                 }
                 for jid, r in self.jobs.items()
             ],
+            "recent": self.telemetry.recent(),
+            "errors": self.telemetry.recent_errors(),
             "totals": dict(self.stats),
         }
 
+    def _client_status(self, session: Session) -> dict[str, Any]:
+        layouts = self.store.layouts_of(session.id)
+        usage = self.store.usage.get(session.id)
+        return {
+            "id": session.id,
+            "name": session.client_name,
+            "pid": session.peer.pid,
+            "uid": session.peer.uid,
+            "connected_seconds": time.time() - session.started,
+            "layouts": len(layouts),
+            "segments": sum(x.segment_count for x in layouts),
+            "bytes": sum(x.bytes_reserved for x in layouts),
+            "jobs": usage.jobs if usage is not None else 0,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot of the metrics registry, with the gauges read now."""
+        return self.telemetry.snapshot(
+            {
+                "clients": len(self.sessions),
+                "jobs_in_flight": len(self.jobs),
+                "shm_reserved_bytes": self.store.reserved_bytes,
+                "shm_budget_bytes": self.store.limits.shm_budget_bytes,
+                "segments": sum(x.segment_count for x in self.store.layouts.values()),
+                "uptime_seconds": time.time() - self.started,
+            }
+        )
+
+    def status_line(self) -> str:
+        """The one line ``systemctl status`` shows (systemd's STATUS=)."""
+        writing = len(self.jobs)
+        return (
+            f"{len(self.sessions)} client(s), {format_size(self.store.reserved_bytes)} staged "
+            f"of {format_size(self.store.limits.shm_budget_bytes)}, {writing} job(s) writing, "
+            f"{self.stats['saves']} saved, {self.stats['failed']} failed"
+        )
 
 def _unlink_all(names: list[str]) -> None:
     for name in names:

@@ -103,9 +103,11 @@ class Session:
             await handler(frame)
         except (RequestError, StoreError) as exc:
             close_fds(frame.fds)
+            self.daemon.telemetry.error(self.describe(), str(exc.code), exc.message)
             await self._send_error(frame.id, exc.code, exc.message)
         except LayoutError as exc:
             close_fds(frame.fds)
+            self.daemon.telemetry.error(self.describe(), str(ErrorCode.BAD_REQUEST), str(exc))
             await self._send_error(frame.id, ErrorCode.BAD_REQUEST, str(exc))
 
     async def send(
@@ -125,6 +127,9 @@ class Session:
             await self.transport.send(frame)
         except (ConnectionError, TimeoutError, OSError):
             pass
+
+    def pending_tasks(self) -> list[asyncio.Task[None]]:
+        return list(self._tasks)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -150,15 +155,19 @@ class Session:
     async def _op_status(self, frame: Frame) -> None:
         await self.send("status", frame.id, {"status": self.daemon.status()})
 
+    async def _op_metrics(self, frame: Frame) -> None:
+        await self.send("metrics", frame.id, {"metrics": self.daemon.metrics()})
+
     async def _op_register(self, frame: Frame) -> None:
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "shmstaged is shutting down")
         layout = Layout.from_wire(
             frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
         )
-        slots = frame.body["slots"]
+        slots = frame.body.get("slots", self.daemon.settings.default_slots)
         nbytes = self.store.reserve(self.id, layout, slots)
         try:
+            self.daemon.check_capacity(nbytes)
             refs = await self.daemon.run_io(self.daemon.create_segments, layout, slots)
         except segment.SegmentError as exc:
             self.store.unreserve(self.id, nbytes, len(layout.tensors) * slots)
@@ -167,6 +176,7 @@ class Session:
             self.store.unreserve(self.id, nbytes, len(layout.tensors) * slots)
             raise
         staged = self.store.add(self.id, layout, refs, nbytes)
+        self.daemon.telemetry.registered()
         if not self.open:  # the client left while segments were being made
             self.daemon.release(staged)
             return
@@ -269,6 +279,9 @@ class Session:
         except BaseException:
             destination.close()
             raise
+        self.daemon.telemetry.staged(
+            staged.layout.nbytes, body.get("stage_seconds"), body.get("slot_wait_seconds")
+        )
         persist = job.PersistJob(
             id=job_id,
             layout=staged.layout,

@@ -1,0 +1,121 @@
+"""What the daemon has done lately: metrics, recent throughput and recent errors.
+
+Only the event loop calls into a Telemetry (from job completions and request handling), so
+it needs no locks. Writer threads report through their job's result, never here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from shmstage.metrics import BYTE_BUCKETS, SECOND_BUCKETS, Registry
+
+RECENT_JOBS: Final = 64
+RECENT_ERRORS: Final = 20
+#: "Recent throughput" means the saves finished within this many seconds.
+THROUGHPUT_WINDOW_S: Final = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedJob:
+    job: int
+    client: str
+    finished_unix: float
+    ok: bool
+    bytes: int
+    persist_seconds: float
+    directory: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecentError:
+    time_unix: float
+    client: str
+    code: str
+    message: str
+    job: int | None = None
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        r = self.registry = Registry("shmstage")
+        r.counter("saves_total", "Checkpoints the daemon finished, by result.", labelled=True)
+        r.counter("bytes_written_total", "Checkpoint bytes written to storage.")
+        r.counter("bytes_staged_total", "Bytes committed by trainers for writing.")
+        r.counter("errors_total", "Errors answered to clients or hit by jobs, by code.",
+                  labelled=True)
+        r.counter("registrations_total", "Layouts registered (segments created).")
+        r.histogram("stage_seconds", "Training stall: the client's copy into shared memory "
+                    "(reported by the client).", SECOND_BUCKETS)
+        r.histogram("slot_wait_seconds", "Time a client waited for a free slot (reported by "
+                    "the client).", SECOND_BUCKETS)
+        r.histogram("persist_seconds", "Time a writer took to make a checkpoint durable.",
+                    SECOND_BUCKETS)
+        r.histogram("save_bytes", "Size of each written checkpoint.", BYTE_BUCKETS)
+        for gauge, help_ in (
+            ("clients", "Connected clients."),
+            ("jobs_in_flight", "Checkpoints being written now."),
+            ("shm_reserved_bytes", "Shared memory handed out to clients."),
+            ("shm_budget_bytes", "Configured shared-memory budget."),
+            ("segments", "Shared-memory segments the daemon owns."),
+            ("uptime_seconds", "Seconds since the daemon started."),
+        ):
+            r.gauge(gauge, help_)
+        for result in ("ok", "failed"):
+            r.inc("saves_total", 0, result=result)
+        self.jobs: deque[FinishedJob] = deque(maxlen=RECENT_JOBS)
+        self.errors: deque[RecentError] = deque(maxlen=RECENT_ERRORS)
+
+    # -- events ------------------------------------------------------------------
+
+    def staged(self, nbytes: int, stage_seconds: float | None, slot_wait: float | None) -> None:
+        """A client committed a slot; the timings are its own report (absent from old clients)."""
+        self.registry.inc("bytes_staged_total", nbytes)
+        if stage_seconds is not None and stage_seconds >= 0:
+            self.registry.observe("stage_seconds", float(stage_seconds))
+        if slot_wait is not None and slot_wait >= 0:
+            self.registry.observe("slot_wait_seconds", float(slot_wait))
+
+    def registered(self) -> None:
+        self.registry.inc("registrations_total")
+
+    def job_finished(self, job: FinishedJob, code: str = "", message: str = "") -> None:
+        self.jobs.append(job)
+        self.registry.inc("saves_total", result="ok" if job.ok else "failed")
+        self.registry.observe("persist_seconds", job.persist_seconds)
+        if job.ok:
+            self.registry.inc("bytes_written_total", job.bytes)
+            self.registry.observe("save_bytes", job.bytes)
+        else:
+            self.error(job.client, code, message, job=job.job)
+
+    def error(self, client: str, code: str, message: str, *, job: int | None = None) -> None:
+        self.registry.inc("errors_total", code=code or "unknown")
+        self.errors.append(RecentError(time.time(), client, code, message, job))
+
+    # -- views -------------------------------------------------------------------
+
+    def recent(self, now: float | None = None) -> dict[str, Any]:
+        """Saves finished in the last THROUGHPUT_WINDOW_S seconds and their write speed."""
+        now = time.time() if now is None else now
+        window = [j for j in self.jobs if now - j.finished_unix <= THROUGHPUT_WINDOW_S and j.ok]
+        written = sum(j.bytes for j in window)
+        busy = sum(j.persist_seconds for j in window)
+        return {
+            "window_seconds": THROUGHPUT_WINDOW_S,
+            "saves": len(window),
+            "bytes": written,
+            "write_bytes_per_second": written / busy if busy > 0 else 0.0,
+            "jobs": [asdict(j) for j in list(self.jobs)[-10:]],
+        }
+
+    def recent_errors(self) -> list[dict[str, Any]]:
+        return [asdict(e) for e in self.errors]
+
+    def snapshot(self, gauges: dict[str, float]) -> dict[str, Any]:
+        for name, value in gauges.items():
+            self.registry.set(name, value)
+        return self.registry.snapshot()
