@@ -120,7 +120,7 @@ def _label_text(labels: Iterable[tuple[str, Any]]) -> str:
 
 
 def _number(value: float) -> str:
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+    if float(value).is_integer() and abs(value) < 1e15:
         return str(int(value))
     return repr(float(value))
 
