@@ -5,6 +5,13 @@ find /dev/shm full and crash-loop. Every instance therefore holds an exclusive f
 ``/dev/shm/shmstage.<instance>.lock`` for its whole life. Segments of an instance whose lock
 nobody holds are garbage — never a live daemon's.
 
+With one exception: a daemon killed after acknowledging a commit still owes that checkpoint,
+and the segments holding its bytes are all that is left of it. The daemon journals such jobs
+(``shmstage_daemon.journal``) in a directory next to its socket, one ``<instance>.<job>.job``
+file each, and names that directory in its lock file. A reaper holds back every segment of a
+dead instance whose journal still lists a job of that instance; the daemon that serves the
+same socket next finishes those jobs and then reaps them itself.
+
 This lives in the core, not the daemon, because two programs apply the same rule: the
 daemon reaps at start, and the operator's ``shmstage gc`` reaps on demand without the
 daemon package (or a running daemon) being present.
@@ -16,6 +23,7 @@ import contextlib
 import fcntl
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -23,6 +31,9 @@ from shmstage import segment
 
 _LOCK = re.compile(r"^shmstage\.([0-9a-f]{16})\.lock$")
 LOCK_DIR: Final = segment.SHM_DIR
+#: Journal entries are ``<instance>.<job>`` plus this suffix; reapers only list names.
+JOURNAL_SUFFIX: Final = ".job"
+_JOURNAL_KEY: Final = "journal="
 
 
 def lock_path(instance: str) -> str:
@@ -35,14 +46,19 @@ class InstanceLock:
     fd: int
 
     @classmethod
-    def claim(cls) -> InstanceLock:
-        """Create the lock already held, so no reaper ever sees it unlocked."""
+    def claim(cls, journal: str | None = None) -> InstanceLock:
+        """Create the lock already held, so no reaper ever sees it unlocked.
+
+        ``journal``: the directory where this instance journals acknowledged jobs; recorded
+        in the lock so that reapers leave the segments of jobs it still owes alone.
+        """
         instance = segment.new_instance_id()
         tmp = os.path.join(LOCK_DIR, f".shmstage.{instance}.lock.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            content = f"{os.getpid()}\n" + (f"{_JOURNAL_KEY}{journal}\n" if journal else "")
+            os.write(fd, content.encode())
             os.rename(tmp, lock_path(instance))
         except BaseException:
             os.close(fd)
@@ -59,6 +75,34 @@ class InstanceLock:
 def live_instances() -> set[str]:
     """Instances whose lock is held right now."""
     return {instance for instance, path in _locks() if _held(path)}
+
+
+def journal_of(lock: str) -> str | None:
+    """The journal directory a lock file names, if any (older locks name none)."""
+    try:
+        with open(lock, "rb") as file:
+            text = file.read(8192).decode("utf-8", "replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(_JOURNAL_KEY) and len(line) > len(_JOURNAL_KEY):
+            return line[len(_JOURNAL_KEY) :]
+    return None
+
+
+def owes_jobs(journal: str, instance: str) -> bool:
+    """Whether ``journal`` still lists an acknowledged job of ``instance``.
+
+    Only names are listed — no entry is parsed — so a reaper cannot be confused by an
+    entry's contents. A journal that cannot be read counts as owing: when unsure, keep.
+    """
+    try:
+        entries = os.listdir(journal)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return any(e.startswith(f"{instance}.") and e.endswith(JOURNAL_SUFFIX) for e in entries)
 
 
 def _locks() -> list[tuple[str, str]]:
@@ -95,6 +139,8 @@ class Reaped:
     locks: list[str] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
     skipped_other_uid: int = 0
+    #: Dead instances whose journal still owes a checkpoint: nothing of theirs was touched.
+    held: set[str] = field(default_factory=set)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -104,22 +150,38 @@ class Reaped:
             "locks": sorted(self.locks),
             "live_instances": sorted(self.live),
             "skipped_other_uid": self.skipped_other_uid,
+            "held_for_journal": sorted(self.held),
         }
 
 
-def reap(*, only_uid: int | None, dry_run: bool = False) -> Reaped:
+def reap(
+    *,
+    only_uid: int | None,
+    dry_run: bool = False,
+    keep: Collection[str] = (),
+    own_journal: str | None = None,
+) -> Reaped:
     """Unlink segments and locks of instances that are not running.
 
     ``only_uid``: touch only files this uid owns (the daemon passes its own, so one user's
     daemon never removes another's files even when it could); ``None`` reaps every dead
     instance's files (root running ``shmstage gc``). A live instance's files are never
-    touched: liveness is the flock, not a pid that may have been reused.
+    touched: liveness is the flock, not a pid that may have been reused. Nor are those of a
+    dead instance whose journal still owes a job — except by the daemon that owns that
+    journal (``own_journal``), which passes the segments it is about to finish in ``keep``
+    and reaps the rest.
     """
     report = Reaped(live=live_instances())
+    keep = set(keep)
+    for instance, path in _locks():
+        journal = journal_of(path) if instance not in report.live else None
+        if journal and journal != own_journal and owes_jobs(journal, instance):
+            report.held.add(instance)
+    kept_owners = {segment.instance_of(name) for name in keep}
     alive: dict[str, bool] = {}
     for name in segment.list_names():
         owner = segment.instance_of(name)
-        if owner is None:
+        if owner is None or owner in report.held or name in keep:
             continue
         # Checked after listing, per owner: a daemon that started after live_instances()
         # already holds its lock before its first segment exists, so it shows up here.
@@ -140,7 +202,7 @@ def reap(*, only_uid: int | None, dry_run: bool = False) -> Reaped:
             report.bytes += st.st_blocks * 512
             report.instances.add(owner)
     for instance, path in _locks():
-        if instance in report.live:
+        if instance in report.live or instance in report.held or instance in kept_owners:
             continue
         try:
             if only_uid is not None and os.stat(path).st_uid != only_uid:
@@ -154,6 +216,6 @@ def reap(*, only_uid: int | None, dry_run: bool = False) -> Reaped:
     return report
 
 
-def reap_dead() -> int:
+def reap_dead(keep: Collection[str] = (), own_journal: str | None = None) -> int:
     """The daemon's start-up reap: this uid's leftovers only; returns the segments removed."""
-    return len(reap(only_uid=os.geteuid()).segments)
+    return len(reap(only_uid=os.geteuid(), keep=keep, own_journal=own_journal).segments)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,19 +34,46 @@ class RunningDaemon:
         """Names in /dev/shm belonging to this daemon instance."""
         return segment.list_names(self.instance) if self.instance else []
 
+    def wait_log(self, text: str, timeout: float = 30) -> None:
+        """Wait until the daemon's log says ``text`` (e.g. a fault hook reached its point)."""
+        wait_for(lambda: text in self.log(), timeout, f"{text!r} in the daemon log")
+
+    def kill(self) -> None:
+        """SIGKILL and reap: no handler runs, exactly like the OOM killer."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
 
-def start_daemon(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> RunningDaemon:
+def start_daemon(
+    tmp: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    log_name: str = "shmstaged.log",
+    prefix: Sequence[str] = (),
+) -> RunningDaemon:
+    """Start shmstaged on ``tmp/shmstaged.sock``; a restart on the same ``tmp`` reuses the
+    socket (and so the journal) — give it another ``log_name`` to keep the first log.
+    ``prefix`` runs the daemon under a wrapper (``unshare ...``) that must exec it."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "shmstaged.sock"
-    log_path = tmp / "shmstaged.log"
+    log_path = tmp / log_name
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
-        [*shmstaged_command(), "--socket", str(sock), "--log-level", "debug", *extra],
+        [*prefix, *shmstaged_command(), "--socket", str(sock), "--log-level", "debug", *extra],
         stdout=log_file,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
@@ -116,3 +144,12 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true; every wait in the suite has a bound and a name."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.02)

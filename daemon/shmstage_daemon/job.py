@@ -10,7 +10,8 @@ Order of durability, which is what makes a checkpoint never torn:
   3. manifest written to its own temporary file, fsynced, linked to its final name —
      this is the commit marker;
   4. directory fsynced.
-Any failure removes what this job created, so no partial file keeps a final name.
+Any failure removes what this job created, manifest first, so no partial file keeps a final
+name; names are removed only when they are this job's own files (same inode).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shmstage.layout import Layout
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import ErrorCode
 from shmstage.segment import SegmentRef
+from shmstage_daemon import faults
 
 WRITE_CHUNK: Final = 64 * 1024 * 1024
 
@@ -43,6 +45,8 @@ class Destination:
     data_file: str
     data_tmp: str
     manifest_tmp: str
+    #: Where the directory is, for messages only (the job writes through ``dir_fd``).
+    path: str = "the checkpoint directory"
 
     def close(self) -> None:
         for fd in (self.data_fd, self.manifest_fd, self.dir_fd):
@@ -103,70 +107,113 @@ class JobFailed(Exception):
 
 
 def run(job: PersistJob) -> JobResult:
-    """Persist the job; always returns (never raises) and always closes its descriptors."""
+    """Persist the job; always returns (never raises) and always closes its descriptors.
+
+    Also finishes a job that a killed daemon left half done (see ``journal``): a file that
+    already carries its final name is recognised by its inode, and a job whose commit
+    marker is already ours only needs the directory synced.
+    """
+    try:
+        return _run(job)
+    finally:
+        job.destination.close()
+
+
+def _run(job: PersistJob) -> JobResult:
     started = time.perf_counter()
     dest = job.destination
-    created: list[str] = [dest.data_tmp, dest.manifest_tmp]
+    step = Step(f"writing {dest.data_file}")
     try:
-        total = _write_data(job)
-        _publish(dest, dest.data_tmp, dest.data_file, job.fsync)
-        created.append(dest.data_file)
-        checksums = total[1]
+        if _is_ours(dest, MANIFEST_NAME, dest.manifest_fd):
+            step.now = "syncing the checkpoint directory"
+            size = os.fstat(dest.data_fd).st_size
+            _sync_dir(dest, job.fsync)
+            _remove_temps(dest)
+            return JobResult(
+                job.id,
+                True,
+                bytes=size,
+                seconds=time.perf_counter() - started,
+                files=[dest.data_file, MANIFEST_NAME],
+            )
+        total, checksums = _write_data(job, step)
+        step.now = f"publishing {dest.data_file}"
+        _publish(dest, dest.data_tmp, dest.data_file, dest.data_fd)
+        faults.pause("before-manifest")
+        step.now = f"writing {MANIFEST_NAME}"
+        job.progress.phase = "committing"
         document = manifest.build(
             job.layout,
             dest.data_file,
-            total[0],
+            total,
             checksums,
             job.tree,
             job.metadata,
             job.save_info,
         ).to_bytes()
-        _write_all(dest.manifest_fd, document, 0)
+        write_all(dest.manifest_fd, document, 0)
+        os.ftruncate(dest.manifest_fd, len(document))  # a resumed job's longer first try
         if job.fsync:
             os.fsync(dest.manifest_fd)
-        _publish(dest, dest.manifest_tmp, MANIFEST_NAME, job.fsync)
-        if job.fsync:
-            os.fsync(dest.dir_fd)
+        step.now = f"publishing {MANIFEST_NAME}"
+        _publish(dest, dest.manifest_tmp, MANIFEST_NAME, dest.manifest_fd)
+        step.now = "syncing the checkpoint directory"
+        _sync_dir(dest, job.fsync)
         return JobResult(
             job.id,
             True,
-            bytes=total[0],
+            bytes=total,
             seconds=time.perf_counter() - started,
             files=[dest.data_file, MANIFEST_NAME],
         )
     except JobFailed as exc:
-        _remove(dest, created)
-        return JobResult(
-            job.id,
-            False,
-            seconds=time.perf_counter() - started,
-            code=str(exc.code),
-            message=exc.message,
-        )
+        code, message = exc.code, exc.message
     except OSError as exc:
-        _remove(dest, created)
-        return JobResult(
-            job.id,
-            False,
-            seconds=time.perf_counter() - started,
-            code=str(ErrorCode.STORAGE),
-            message=f"writing the checkpoint failed: {exc.strerror or exc} "
-            f"({errno.errorcode.get(exc.errno or 0, 'unknown errno')})",
-        )
+        code, message = ErrorCode.STORAGE, _storage_message(dest, step.now, exc)
     except Exception as exc:  # a bug must fail this job, not the writer thread pool
-        _remove(dest, created)
-        return JobResult(
-            job.id,
-            False,
-            seconds=time.perf_counter() - started,
-            code=str(ErrorCode.INTERNAL),
-            message=f"internal error: {exc!r}",
+        code, message = ErrorCode.INTERNAL, f"internal error while {step.now}: {exc!r}"
+    _undo(dest)
+    return JobResult(
+        job.id, False, seconds=time.perf_counter() - started, code=str(code), message=message
+    )
+
+
+class Step:
+    """What the job is doing now, so a failure names the step and the file."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: str) -> None:
+        self.now = now
+
+
+def _storage_message(dest: Destination, step: str, exc: OSError) -> str:
+    """The cause in words an operator acts on: which file, which step, what to do."""
+    code = errno.errorcode.get(exc.errno or 0, "unknown errno")
+    where = dest.path
+    try:
+        removed = os.fstat(dest.dir_fd).st_nlink == 0
+    except OSError:
+        removed = False
+    if removed:
+        return (
+            f"the checkpoint directory {where} was removed while {step}; nothing was "
+            f"published — save to a directory that stays ({exc.strerror or exc}, {code})"
         )
-    finally:
-        dest.close()
+    advice = {
+        errno.ENOSPC: "the filesystem is full; free space there or save elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted; free space or raise the quota",
+        errno.EROFS: "the filesystem is read-only; remount it read-write or save elsewhere",
+        errno.EPERM: "the directory does not permit it (read-only, immutable or sealed); "
+        "make it writable or save elsewhere",
+        errno.EACCES: "the directory is not writable; make it writable or save elsewhere",
+        errno.EIO: "the storage device reported an I/O error; check the device and the "
+        "kernel log (dmesg) before trusting this filesystem",
+    }.get(exc.errno or 0, "partial files were removed")
+    return f"{step} in {where} failed: {exc.strerror or exc} ({code}); {advice}"
 
 
-def _write_data(job: PersistJob) -> tuple[int, list[int]]:
+def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     fd = job.destination.data_fd
     size = len(job.header) + job.layout.nbytes
     try:
@@ -174,15 +221,18 @@ def _write_data(job: PersistJob) -> tuple[int, list[int]]:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-    _write_all(fd, job.header, 0)
+    write_all(fd, job.header, 0)
     position = len(job.header)
     checksums = []
     job.progress.phase = "writing"
-    for spec, ref in zip(job.layout.tensors, job.segments, strict=True):
+    for index, (spec, ref) in enumerate(zip(job.layout.tensors, job.segments, strict=True)):
+        if index == 1:
+            faults.pause("mid-stream")
         checksums.append(_stream_segment(ref, spec.nbytes, fd, position, job.progress))
         position += spec.nbytes
     os.ftruncate(fd, size)
     job.progress.phase = "syncing"
+    step.now = f"syncing {job.destination.data_file}"
     if job.fsync:
         os.fsync(fd)
     return size, checksums
@@ -205,7 +255,8 @@ def _stream_segment(
             for start in range(0, nbytes, WRITE_CHUNK):
                 chunk = view[start : min(start + WRITE_CHUNK, nbytes)]
                 crc = checksum(chunk, crc)
-                _write_all(fd, chunk, position + start)
+                faults.maybe_eio("write")
+                write_all(fd, chunk, position + start)
                 progress.written += len(chunk)
                 chunk.release()
     finally:
@@ -213,7 +264,7 @@ def _stream_segment(
     return crc
 
 
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
@@ -223,15 +274,33 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += written
 
 
-def _publish(dest: Destination, tmp: str, final: str, fsync: bool) -> None:
+def _is_ours(dest: Destination, name: str, fd: int) -> bool:
+    """Does ``name`` in the checkpoint directory name the very file behind ``fd``?
+
+    The job only ever removes or accepts names that pass this: a file the user put there
+    under the same name is never ours, whatever it contains.
+    """
+    try:
+        named = os.stat(name, dir_fd=dest.dir_fd, follow_symlinks=False)
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _publish(dest: Destination, tmp: str, final: str, fd: int) -> None:
     """Give a finished file its final name without ever replacing an existing one."""
+    if _is_ours(dest, final, fd):  # published by an earlier, interrupted run of this job
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dest.dir_fd)
+        return
     try:
         os.link(tmp, final, src_dir_fd=dest.dir_fd, dst_dir_fd=dest.dir_fd, follow_symlinks=False)
     except FileExistsError:
         raise JobFailed(
             ErrorCode.EXISTS,
-            f"{final} already exists in the checkpoint directory; shmstage never replaces a "
-            "checkpoint — save to a new directory",
+            f"{final} already exists in {dest.path}; shmstage never replaces a checkpoint — "
+            "save to a new directory",
         ) from None
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
@@ -242,13 +311,30 @@ def _publish(dest: Destination, tmp: str, final: str, fsync: bool) -> None:
         except FileNotFoundError:
             os.rename(tmp, final, src_dir_fd=dest.dir_fd, dst_dir_fd=dest.dir_fd)
             return
-        raise JobFailed(
-            ErrorCode.EXISTS, f"{final} already exists in the checkpoint directory"
-        ) from None
+        raise JobFailed(ErrorCode.EXISTS, f"{final} already exists in {dest.path}") from None
     os.unlink(tmp, dir_fd=dest.dir_fd)
 
 
-def _remove(dest: Destination, names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=dest.dir_fd)
+def _sync_dir(dest: Destination, fsync: bool) -> None:
+    if fsync:
+        os.fsync(dest.dir_fd)
+
+
+def _remove_temps(dest: Destination) -> None:
+    for name, fd in ((dest.data_tmp, dest.data_fd), (dest.manifest_tmp, dest.manifest_fd)):
+        if _is_ours(dest, name, fd):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dest.dir_fd)
+
+
+def _undo(dest: Destination) -> None:
+    """Remove what this job published, commit marker first, then its temporary files.
+
+    Unpublishing the manifest before the data file means a reader never finds a manifest
+    whose data is gone; only names that are this job's own files are removed.
+    """
+    for name, fd in ((MANIFEST_NAME, dest.manifest_fd), (dest.data_file, dest.data_fd)):
+        if _is_ours(dest, name, fd):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dest.dir_fd)
+    _remove_temps(dest)

@@ -10,9 +10,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
+import resource
 import socket
 import stat
 import time
@@ -26,8 +28,8 @@ from shmstage.layout import Layout
 from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES, Connection, ErrorCode, Role
 from shmstage.segment import SegmentRef
 from shmstage.units import format_size
-from shmstage_daemon import __version__, job
-from shmstage_daemon.admission import Allowlist, peer_of
+from shmstage_daemon import __version__, faults, job, journal
+from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import measure_shm
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
@@ -92,8 +94,19 @@ class Daemon:
             settings.writer_threads, thread_name_prefix="shmstage-writer"
         )
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="shmstage-io")
+        # One thread: journal writes stay in order and never queue behind segment creation.
+        self._journal_io = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="shmstage-journal"
+        )
         self._stop = asyncio.Event()
         self._pending_unlinks: set[asyncio.Future[Any]] = set()
+        self.journal = journal.Journal(journal.journal_dir(settings.socket_path))
+        #: job id -> journal entry name, for jobs acknowledged by this instance.
+        self._journaled: dict[int, str] = {}
+        #: Journal entries of dead instances' jobs not finished yet, by entry name.
+        self._owed: dict[str, journal.Entry] = {}
+        #: journal entry name -> the writer's future, while an owed job is being finished.
+        self.recovering: dict[str, asyncio.Future[job.JobResult]] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -102,18 +115,45 @@ class Daemon:
 
         ``listener``: a socket systemd passed (socket activation); served as it is, and
         left in place at exit because systemd keeps listening on it across restarts.
+
+        Jobs a killed predecessor on the same socket acknowledged but did not finish are
+        loaded from the journal before reaping, so their segments survive the reap; they
+        are finished as soon as the loop runs (:meth:`serve`).
         """
-        self._lock = instance.InstanceLock.claim()
+        try:
+            armed = faults.load()
+        except faults.FaultSpecError as exc:
+            raise StartupError(str(exc)) from None
+        if armed:
+            log.warning("TEST-ONLY fault hooks armed (%s): %s", faults.ENV, ", ".join(armed))
+        _raise_fd_limit()
+        if listener is not None:
+            self.settings.socket_path = Path(listener.getsockname())
+            self.journal = journal.Journal(journal.journal_dir(self.settings.socket_path))
+        self._lock = instance.InstanceLock.claim(journal=str(self.journal.directory))
         self.instance = self._lock.instance
-        reaped = instance.reap_dead()
-        if reaped:
-            log.info("reaped %d segment(s) left by dead shmstaged instances", reaped)
         if listener is not None:
             self.activated = True
             self._listener = listener
-            self.settings.socket_path = Path(listener.getsockname())
         else:
             self._listener = bind(self.settings.socket_path)
+        # Only now, serving this socket alone, may we take over its journal.
+        try:
+            self.journal.prepare()
+            owed = self.journal.load()
+        except (OSError, journal.JournalError) as exc:
+            raise StartupError(f"cannot use the journal {self.journal.directory}: {exc}") from None
+        self._owed = {entry.name: entry for entry in owed}
+        keep = {name for entry in owed for name, _ in entry.segments}
+        reaped = instance.reap_dead(keep=keep, own_journal=str(self.journal.directory))
+        if reaped:
+            log.info("reaped %d segment(s) left by dead shmstaged instances", reaped)
+        if owed:
+            log.warning(
+                "%d checkpoint(s) acknowledged by a previous instance are not durable yet; "
+                "finishing them now",
+                len(owed),
+            )
         log.info(
             "shmstaged %s listening on %s%s (instance %s, admitting %s)",
             __version__,
@@ -126,6 +166,8 @@ class Daemon:
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
+        for entry in list(self._owed.values()):
+            self._track(loop.create_task(self._finish_owed(entry)))
         accept = loop.create_task(self._accept_loop(self._listener))
         await self._stop.wait()
         accept.cancel()
@@ -148,7 +190,10 @@ class Daemon:
                     log.error("out of file descriptors; not accepting for 1 s")
                     await asyncio.sleep(1)
                     continue
-                raise
+                # ECONNABORTED, ENOBUFS, EPROTO...: one failed accept must not end accepting.
+                log.warning("accept failed: %s; continuing", exc)
+                await asyncio.sleep(0.05)
+                continue
             self._admit(sock)
 
     def _admit(self, sock: socket.socket) -> None:
@@ -183,6 +228,8 @@ class Daemon:
                 with contextlib.suppress(FileNotFoundError):
                     self.settings.socket_path.unlink()
         pending = [record.future for record in self.jobs.values()]
+        pending += list(self.recovering.values())
+        owed: set[str] = set()  # segments of acknowledged jobs still being written
         if pending:
             log.info(
                 "waiting up to %.0f s for %d checkpoint(s) being written",
@@ -191,24 +238,38 @@ class Daemon:
             )
             _done, not_done = await asyncio.wait(pending, timeout=self.settings.shutdown_timeout)
             if not_done:
+                owed = {
+                    ref.name
+                    for record in self.jobs.values()
+                    if record.future in not_done
+                    for ref in record.persist.segments
+                }
                 log.error(
-                    "%d checkpoint(s) did not finish within %.0f s; abandoning them "
-                    "(their temporary files are removed, no manifest is written)",
+                    "%d checkpoint(s) did not finish within %.0f s; leaving them to the "
+                    "writer still running and, should it not finish, to the next start "
+                    "(journal %s)",
                     len(not_done),
                     self.settings.shutdown_timeout,
+                    self.journal.directory,
                 )
         await self._flush_sessions()
         for session in list(self.sessions.values()):
             session.close()
         if self._pending_unlinks:
             await asyncio.wait(self._pending_unlinks, timeout=10)
-        leftover = self.store.all_segment_names() + segment.list_names(self.instance)
-        for name in set(leftover):
+        leftover = set(self.store.all_segment_names() + segment.list_names(self.instance))
+        leftover -= owed
+        for name in leftover:
             segment.unlink(name)
         self._writers.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._journal_io.shutdown(wait=False, cancel_futures=True)
         if self._lock is not None:
-            self._lock.release()
+            if owed:
+                # Held until this process exits, then names the journal to every reaper.
+                log.info("instance lock kept until the unfinished writers exit")
+            else:
+                self._lock.release()
         log.info("stopped; %d segment(s) unlinked at exit", len(set(leftover)))
 
     async def _flush_sessions(self, timeout: float = 5.0) -> None:
@@ -276,6 +337,8 @@ class Daemon:
                     ref = segment.create(self.instance, spec.nbytes)
                     made.append(ref)
                     refs.append(ref)
+                    if len(made) == 1:
+                        faults.pause("register")
                 result.append(refs)
             return result
         except BaseException:
@@ -290,9 +353,99 @@ class Daemon:
     def _collect(self, staged: StagedLayout) -> None:
         names = self.store.collect(staged)
         if names:
-            future = asyncio.ensure_future(self.run_io(_unlink_all, names))
-            self._pending_unlinks.add(future)
-            future.add_done_callback(self._pending_unlinks.discard)
+            self._track(asyncio.ensure_future(self.run_io(_unlink_all, names)))
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        """Background work that shutdown waits for (unlinks, journal removals, recovery)."""
+        self._pending_unlinks.add(future)
+        future.add_done_callback(self._pending_unlinks.discard)
+
+    # -- the journal -------------------------------------------------------------
+
+    @property
+    def journal_path(self) -> Path:
+        return self.journal.directory
+
+    async def journal_commit(self, persist: job.PersistJob, peer: Peer) -> None:
+        """Journal a job before it is acknowledged; raises OSError if the journal fails."""
+        loop = asyncio.get_running_loop()
+        directory = await loop.run_in_executor(
+            self._journal_io, self._journal_sync, persist, peer, self.fsync
+        )
+        if directory is None:
+            log.warning(
+                "job %d: shmstaged cannot reach the checkpoint directory by path (another "
+                "mount namespace?), so it is not journaled: a daemon restart before it is "
+                "durable would lose it",
+                persist.id,
+            )
+            return
+        persist.destination.path = directory
+        self._journaled[persist.id] = f"{self.instance}.{persist.id}{instance.JOURNAL_SUFFIX}"
+
+    def _journal_sync(self, persist: job.PersistJob, peer: Peer, fsync: bool) -> str | None:
+        """Runs in the journal thread: locate the directory, then write the entry."""
+        dir_fd = persist.destination.dir_fd
+        directory = journal.locate(dir_fd)
+        if directory is None:
+            return None
+        st = os.fstat(dir_fd)
+        entry = journal.entry_for(
+            persist, self.instance, peer, directory, (st.st_dev, st.st_ino)
+        )
+        self.journal.record(entry, fsync=fsync)
+        return directory
+
+    def _unjournal(self, job_id: int) -> None:
+        name = self._journaled.pop(job_id, None)
+        if name is not None:
+            self._remove_entry(name)
+
+    def _remove_entry(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._track(
+            loop.run_in_executor(
+                self._journal_io, functools.partial(self.journal.remove, name, fsync=self.fsync)
+            )
+        )
+
+    def abandon_job(self, session_id: int, staged: StagedLayout, slot: Slot, job_id: int) -> None:
+        """Undo ``begin_job`` for a commit that could not be journaled (never acknowledged)."""
+        self.store.end_job(session_id, staged, slot, job_id)
+        self._collect(staged)
+
+    async def _finish_owed(self, entry: journal.Entry) -> None:
+        """Finish one job a previous instance acknowledged, then free what it held.
+
+        An instance that is still alive (a stopping daemon whose writer outlived its loop)
+        is finishing the job itself: wait for it to exit rather than write alongside it.
+        """
+        while entry.instance in instance.live_instances():
+            await asyncio.sleep(1.0)
+        loop = asyncio.get_running_loop()
+        future = asyncio.wrap_future(self._writers.submit(journal.recover, entry), loop=loop)
+        self.recovering[entry.name] = future
+        try:
+            result = await future
+        finally:
+            self.recovering.pop(entry.name, None)
+        if result.ok:
+            self.stats["saves"] += 1
+            self.stats["bytes"] += result.bytes
+            log.warning("finished %s after a restart: %d bytes", entry.describe(), result.bytes)
+        else:
+            self.stats["failed"] += 1
+            log.error("could not finish %s: %s", entry.describe(), result.message)
+        await self.run_io(_unlink_all, [name for name, _ in entry.segments])
+        self._remove_entry(entry.name)
+        del self._owed[entry.name]
+        # Whatever else the predecessor left (its lock file) goes now, except the segments
+        # of jobs still owed.
+        keep = {name for owed in self._owed.values() for name, _ in owed.segments}
+        reap = functools.partial(
+            instance.reap_dead, keep=keep, own_journal=str(self.journal.directory)
+        )
+        self._track(asyncio.ensure_future(self.run_io(reap)))
 
     def session_closed(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
@@ -324,6 +477,7 @@ class Daemon:
             record.persist.destination.close()
         else:
             result = future.result()
+            self._unjournal(record.persist.id)  # ran to an end: nothing is owed any more
         self.store.end_job(record.session.id, record.staged, record.slot, record.persist.id)
         if result.ok:
             self.stats["saves"] += 1
@@ -472,3 +626,12 @@ def bind(path: Path) -> socket.socket:
     os.chmod(path, 0o660)
     sock.listen(128)
     return sock
+
+
+def _raise_fd_limit() -> None:
+    """Use the hard descriptor limit: every client, slot segment in flight and job holds fds,
+    and a soft limit of 1024 would turn a busy node into EMFILE for everyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -8,17 +8,21 @@ and their segments unlinked once no job reads them any more.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
+import json
 import logging
+import math
 import os
 import stat
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shmstage import datafile, names, segment
+from shmstage import datafile, names, segment, tree
 from shmstage.layout import Layout, LayoutError
+from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import PROTOCOL_VERSION, Connection, ErrorCode, Frame, ProtocolError, Role
 from shmstage_daemon import __version__, job
 from shmstage_daemon.admission import Peer, may_write_dir
@@ -33,6 +37,8 @@ log = logging.getLogger("shmstaged.session")
 #: Segment descriptors go out in groups this size, each group one frame.
 FDS_PER_FRAME = 253
 MAX_METADATA_ENTRIES = 10_000
+#: Acquires of one layout that may wait at once; more is a client loop gone wrong.
+MAX_WAITERS_PER_LAYOUT = 64
 
 
 class RequestError(Exception):
@@ -98,15 +104,23 @@ class Session:
         self.daemon.session_closed(self)
 
     async def _dispatch(self, frame: Frame) -> None:
+        """Run one request. Descriptors are closed exactly once: here, unless the op is
+        ``commit``, whose handler owns them from its first line (closing a number twice
+        could close whatever a writer thread opened under it in between)."""
         handler = getattr(self, f"_op_{frame.op}")
         try:
+            if frame.op != "commit" and frame.fds:
+                close_fds(frame.fds)
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"{frame.op} carried {len(frame.fds)} file descriptor(s); only commit "
+                    "passes descriptors (they were closed)",
+                )
             await handler(frame)
         except (RequestError, StoreError) as exc:
-            close_fds(frame.fds)
             self.daemon.telemetry.error(self.describe(), str(exc.code), exc.message)
             await self._send_error(frame.id, exc.code, exc.message)
         except LayoutError as exc:
-            close_fds(frame.fds)
             self.daemon.telemetry.error(self.describe(), str(ErrorCode.BAD_REQUEST), str(exc))
             await self._send_error(frame.id, ErrorCode.BAD_REQUEST, str(exc))
 
@@ -215,9 +229,24 @@ class Session:
                 f"all {len(staged.slots)} slot(s) of layout {staged.id} are busy with earlier "
                 "checkpoints; wait for a slot, or register the layout with more slots",
             )
+        timeout = frame.body["timeout"]
+        # NaN would poison the loop's timer heap; a negative or infinite one is a client bug.
+        if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"acquire.timeout {timeout!r} must be a finite number of seconds >= 0, or null "
+                "to wait as long as it takes",
+            )
+        staged.waiters = collections.deque(w for w in staged.waiters if not w.done())
+        if len(staged.waiters) >= MAX_WAITERS_PER_LAYOUT:
+            raise RequestError(
+                ErrorCode.NO_FREE_SLOT,
+                f"{len(staged.waiters)} acquires already wait for layout {staged.id}; wait for "
+                "one to be answered before asking again",
+            )
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         staged.waiters.append(waiter)
-        self.spawn(self._await_slot(frame, staged, waiter, frame.body["timeout"]))
+        self.spawn(self._await_slot(frame, staged, waiter, timeout))
 
     async def _await_slot(
         self, frame: Frame, staged: StagedLayout, waiter: asyncio.Future[Any], timeout: float | None
@@ -258,29 +287,39 @@ class Session:
         await self.send("released", frame.id, {"layout": staged.id})
 
     async def _op_commit(self, frame: Frame) -> None:
-        body = frame.body
-        if len(frame.fds) != 3:
+        fds = frame.fds
+        if len(fds) != 3:
+            close_fds(fds)
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
                 f"commit needs 3 descriptors (directory, data file, manifest file), got "
-                f"{len(frame.fds)}",
+                f"{len(fds)}",
             )
-        staged = self.store.get(self.id, body["layout"])
-        slot = self.store.slot(staged, body["slot"])
-        destination = self._destination(body, frame.fds)
+        body = frame.body
+        # From here the Destination owns the descriptors; every path closes it exactly once.
+        destination = job.Destination(
+            fds[0], fds[1], fds[2], body["data_file"], body["data_tmp"], body["manifest_tmp"]
+        )
         try:
+            staged = self.store.get(self.id, body["layout"])
+            slot = self.store.slot(staged, body["slot"])
+            self._check_destination(destination)
             header = datafile.build_header(
                 staged.layout, _string_map(body.get("file_metadata", {}), "file_metadata")
             )
             metadata = body.get("metadata", {})
             if len(metadata) > MAX_METADATA_ENTRIES:
                 raise RequestError(ErrorCode.BAD_REQUEST, "metadata has too many entries")
+            _check_json(metadata, "commit.metadata")
+            _check_tree(body["tree"], staged.layout)
             job_id = self.store.begin_job(self.id, staged, slot)
         except BaseException:
             destination.close()
             raise
         self.daemon.telemetry.staged(
-            staged.layout.nbytes, body.get("stage_seconds"), body.get("slot_wait_seconds")
+            staged.layout.nbytes,
+            _finite(body.get("stage_seconds")),
+            _finite(body.get("slot_wait_seconds")),
         )
         persist = job.PersistJob(
             id=job_id,
@@ -300,23 +339,31 @@ class Session:
             },
             fsync=self.daemon.fsync,
         )
+        try:
+            # Durable before acknowledged: a daemon killed after "committed" still owes it.
+            await self.daemon.journal_commit(persist, self.peer)
+        except OSError as exc:
+            self.daemon.abandon_job(self.id, staged, slot, job_id)
+            destination.close()
+            raise RequestError(
+                ErrorCode.STORAGE,
+                f"cannot journal the checkpoint ({exc.strerror or exc}) in "
+                f"{self.daemon.journal_path}; nothing was written — check that filesystem",
+            ) from None
         await self.send(
             "committed", frame.id, {"layout": staged.id, "slot": slot.index, "job": job_id}
         )
         self.daemon.start_job(self, staged, slot, persist)
 
-    def _destination(self, body: dict[str, Any], fds: tuple[int, ...]) -> job.Destination:
+    def _check_destination(self, destination: job.Destination) -> None:
         """Check the client's descriptors really are what the names say, and writable by it."""
-        dir_fd, data_fd, manifest_fd = fds
-        destination = job.Destination(
-            dir_fd, data_fd, manifest_fd, body["data_file"], body["data_tmp"], body["manifest_tmp"]
-        )
         try:
-            data_file = names.check_plain_name(body["data_file"], what="data file")
+            data_file = names.check_plain_name(destination.data_file, what="data file")
             if not data_file.endswith(datafile.SUFFIX):
                 raise names.NameError_(f"data file {data_file!r} must end in {datafile.SUFFIX}")
-            names.check_temp_name(body["data_tmp"], data_file)
-            names.check_temp_name(body["manifest_tmp"], "shmstage-manifest.json")
+            names.check_temp_name(destination.data_tmp, data_file)
+            names.check_temp_name(destination.manifest_tmp, MANIFEST_NAME)
+            dir_fd = destination.dir_fd
             dir_st = os.fstat(dir_fd)
             if not stat.S_ISDIR(dir_st.st_mode):
                 raise RequestError(ErrorCode.BAD_REQUEST, "first descriptor is not a directory")
@@ -326,20 +373,18 @@ class Session:
                     f"uid {self.peer.uid} cannot write the checkpoint directory itself, so "
                     "shmstaged will not write there on its behalf",
                 )
-            for name, fd in ((body["data_tmp"], data_fd), (body["manifest_tmp"], manifest_fd)):
-                _check_file_fd(name, fd, dir_fd)
+            data = _check_file_fd(destination.data_tmp, destination.data_fd, dir_fd)
+            manifest = _check_file_fd(destination.manifest_tmp, destination.manifest_fd, dir_fd)
+            if (data.st_dev, data.st_ino) == (manifest.st_dev, manifest.st_ino):
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST, "the data and manifest descriptors are the same file"
+                )
         except names.NameError_ as exc:
-            destination.close()
             raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
-        except RequestError:
-            destination.close()
-            raise
         except OSError as exc:
-            destination.close()
             raise RequestError(
                 ErrorCode.BAD_REQUEST, f"bad destination descriptor: {exc}"
             ) from None
-        return destination
 
     async def job_finished(self, persist: job.PersistJob, result: job.JobResult) -> None:
         with contextlib.suppress(ConnectionError, TimeoutError, OSError):
@@ -348,10 +393,14 @@ class Session:
             )
 
 
-def _check_file_fd(name: str, fd: int, dir_fd: int) -> None:
+def _check_file_fd(name: str, fd: int, dir_fd: int) -> os.stat_result:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise RequestError(ErrorCode.BAD_REQUEST, f"{name}: descriptor is not a regular file")
+    if st.st_nlink != 1:  # a fresh temporary file has exactly its one name
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"{name}: the file has {st.st_nlink} links, not a fresh one"
+        )
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE not in (os.O_WRONLY, os.O_RDWR):
         raise RequestError(ErrorCode.BAD_REQUEST, f"{name}: descriptor is not open for writing")
     try:
@@ -362,6 +411,7 @@ def _check_file_fd(name: str, fd: int, dir_fd: int) -> None:
         ) from None
     if (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
         raise RequestError(ErrorCode.BAD_REQUEST, f"{name} is not the file whose descriptor came")
+    return st
 
 
 def _string_map(value: object, what: str) -> dict[str, str]:
@@ -372,3 +422,39 @@ def _string_map(value: object, what: str) -> dict[str, str]:
     if len(value) > MAX_METADATA_ENTRIES:
         raise RequestError(ErrorCode.BAD_REQUEST, f"{what} has too many entries")
     return value
+
+
+def _check_json(value: object, what: str) -> None:
+    """Refuse now what the manifest (strict JSON) could not hold, rather than after the ack."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"{what} must be plain JSON values: {exc}"
+        ) from None
+
+
+def _check_tree(encoded: object, layout: Layout) -> None:
+    """The structure must decode and refer only to tensors the layout has.
+
+    Otherwise the daemon would publish a checkpoint whose manifest refers to tensors that
+    are not there, which ``verify`` and ``load`` then reject.
+    """
+    try:
+        keys = tree.tensor_keys(encoded)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"commit.tree is malformed: {exc}") from None
+    unknown = set(keys) - set(layout.keys())
+    if unknown:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"commit.tree refers to tensors the layout does not have: {sorted(unknown)[:5]}",
+        )
+    _check_json(encoded, "commit.tree")
+
+
+def _finite(value: object) -> float | None:
+    """A client-reported duration fit for the metrics (NaN or infinity would poison sums)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

@@ -1,0 +1,443 @@
+"""The journal of acknowledged checkpoints: what a restarted daemon still has to publish.
+
+Once the daemon answers ``committed`` the trainer may free its tensors or exit; from then on
+the staged bytes in the slot's segments are the only copy. If the daemon is SIGKILLed (OOM
+killer, a node agent, a crash) before the checkpoint is durable, the next daemon must still
+publish it. So before acknowledging a commit the daemon writes one small entry per job to a
+directory next to its socket (``<socket>.journal/<instance>.<job>.job``), atomically (written
+to a temporary name, fsynced, renamed, directory fsynced), and removes it once the job ended.
+Its instance lock names the journal, so no reaper unlinks the segments an entry needs
+(``shmstage.instance``). The daemon that serves the socket next finishes every entry before
+it reaps the dead instance's segments.
+
+Finishing a job needs the destination again, and the daemon never resolves paths a user
+supplied: the client opened the directory and passed its descriptor. At commit the daemon
+asks the kernel where that descriptor points (``/proc/self/fd``), walks that path from ``/``
+itself one component at a time with ``O_NOFOLLOW`` and keeps it only if it arrives at the
+very same directory (st_dev, st_ino). After a restart it walks the recorded path the same
+way and proceeds only if it again reaches that directory, the original uid may still write
+it, and the temporary (or, if the killed daemon had got that far, final) names still hold the
+very files the client created (st_dev, st_ino) — so a renamed, replaced or symlinked path
+can never redirect the write. A directory the daemon cannot reach by path (another mount
+namespace) is not journaled: that job is lost if the daemon dies, and the daemon logs so at
+commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgpack
+
+from shmstage import names, segment
+from shmstage.instance import JOURNAL_SUFFIX
+from shmstage.layout import Layout, LayoutError
+from shmstage.manifest import MANIFEST_NAME
+from shmstage.segment import SegmentRef
+from shmstage_daemon import job
+from shmstage_daemon.admission import Peer, may_write_dir
+
+log = logging.getLogger("shmstaged.journal")
+
+ENTRY_VERSION: Final = 1
+#: An entry holds a layout, a tree and metadata; a real one is well below this.
+MAX_ENTRY_BYTES: Final = 256 * 1024 * 1024
+_TMP_SUFFIX: Final = ".tmp"
+
+FileId = tuple[int, int]  # (st_dev, st_ino)
+
+
+class JournalError(Exception):
+    """The journal, or a job it records, cannot be used; the message says which and why."""
+
+
+def journal_dir(socket_path: Path) -> Path:
+    """The journal lives next to the socket: one per daemon identity, on the same tmpfs."""
+    return socket_path.with_name(socket_path.name + ".journal")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Everything needed to run one acknowledged persist job again, and nothing mutable."""
+
+    instance: str
+    job: int
+    tensors: list[Any]
+    segments: list[tuple[str, int]]
+    header: bytes
+    directory: str
+    directory_id: FileId
+    data_file: str
+    data_tmp: str
+    manifest_tmp: str
+    data_id: FileId
+    manifest_id: FileId
+    tree: Any
+    metadata: dict[str, Any]
+    save_info: dict[str, Any]
+    uid: int
+    gid: int
+    groups: list[int]
+    fsync: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.instance}.{self.job}{JOURNAL_SUFFIX}"
+
+    def describe(self) -> str:
+        return f"job {self.job} of instance {self.instance} ({self.directory}/{self.data_file})"
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {"v": ENTRY_VERSION, **{k: getattr(self, k) for k in _FIELDS}}, use_bin_type=True
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Entry:
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise JournalError(f"undecodable entry: {type(exc).__name__}: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("v") != ENTRY_VERSION:
+            raise JournalError("not a version-1 journal entry")
+        try:
+            values = {k: raw[k] for k in _FIELDS}
+        except KeyError as exc:
+            raise JournalError(f"entry lacks {exc}") from None
+        for key, kind in _FIELDS.items():
+            if not isinstance(values[key], kind) or (
+                isinstance(values[key], bool) and kind is not bool
+            ):
+                raise JournalError(f"entry field {key} is not {kind.__name__}")
+        for key in ("directory_id", "data_id", "manifest_id"):
+            values[key] = _file_id(values[key], key)
+        values["segments"] = [_segment(item) for item in values["segments"]]
+        return cls(**values)
+
+
+_FIELDS: Final[dict[str, type]] = {
+    "instance": str,
+    "job": int,
+    "tensors": list,
+    "segments": list,
+    "header": bytes,
+    "directory": str,
+    "directory_id": list,
+    "data_file": str,
+    "data_tmp": str,
+    "manifest_tmp": str,
+    "data_id": list,
+    "manifest_id": list,
+    "tree": object,
+    "metadata": dict,
+    "save_info": dict,
+    "uid": int,
+    "gid": int,
+    "groups": list,
+    "fsync": bool,
+}
+
+
+def _file_id(value: Any, key: str) -> FileId:
+    if (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return (value[0], value[1])
+    raise JournalError(f"entry field {key} is not [st_dev, st_ino]")
+
+
+def _segment(item: Any) -> tuple[str, int]:
+    if (
+        isinstance(item, list | tuple)
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and isinstance(item[1], int)
+    ):
+        return (item[0], item[1])
+    raise JournalError("entry lists a malformed segment")
+
+
+def entry_for(
+    persist: job.PersistJob, instance: str, peer: Peer, directory: str, directory_id: FileId
+) -> Entry:
+    """The journal entry of a job about to be acknowledged (runs in the loop: fstat only)."""
+    dest = persist.destination
+    data, manifest = os.fstat(dest.data_fd), os.fstat(dest.manifest_fd)
+    return Entry(
+        instance=instance,
+        job=persist.id,
+        tensors=persist.layout.to_wire(),
+        segments=[(ref.name, ref.size) for ref in persist.segments],
+        header=persist.header,
+        directory=directory,
+        directory_id=directory_id,
+        data_file=dest.data_file,
+        data_tmp=dest.data_tmp,
+        manifest_tmp=dest.manifest_tmp,
+        data_id=(data.st_dev, data.st_ino),
+        manifest_id=(manifest.st_dev, manifest.st_ino),
+        tree=persist.tree,
+        metadata=persist.metadata,
+        save_info=persist.save_info,
+        uid=peer.uid,
+        gid=peer.gid,
+        groups=sorted(peer.groups),
+        fsync=persist.fsync,
+    )
+
+
+# -- where the client's directory is -------------------------------------------------
+
+
+def locate(dir_fd: int) -> str | None:
+    """The absolute path by which this daemon reaches the directory behind ``dir_fd``.
+
+    None when the kernel's name for it does not lead back to it (deleted, another mount
+    namespace, renamed meanwhile): such a job cannot be journaled.
+    """
+    try:
+        path = os.readlink(f"/proc/self/fd/{dir_fd}")
+        st = os.fstat(dir_fd)
+    except OSError:
+        return None
+    if not path.startswith("/") or path.endswith(" (deleted)"):
+        return None
+    try:
+        os.close(open_directory(path, (st.st_dev, st.st_ino)))
+    except (OSError, JournalError):
+        return None
+    return path
+
+
+def open_directory(path: str, expected: FileId) -> int:
+    """Open ``path`` without following any symlink and only if it is the expected directory.
+
+    Every component is opened relative to its parent with ``O_NOFOLLOW``: a symlink swapped
+    into the path fails the walk instead of redirecting it.
+    """
+    parts = [part for part in path.split("/") if part]
+    if not path.startswith("/") or any(part in (".", "..") for part in parts):
+        raise JournalError(f"{path!r} is not a canonical absolute path")
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            child = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        final = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    st = os.fstat(final)
+    if (st.st_dev, st.st_ino) != expected:
+        os.close(final)
+        raise JournalError(f"{path} is no longer the directory the checkpoint was committed to")
+    return final
+
+
+def _open_file(dir_fd: int, candidates: tuple[str, ...], expected: FileId) -> int | None:
+    """A write descriptor on whichever candidate name still holds the expected file."""
+    for name in candidates:
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == expected:
+            return fd
+        os.close(fd)
+    return None
+
+
+def reopen(entry: Entry) -> job.Destination:
+    """The destination of a journaled job, re-checked as strictly as at commit."""
+    for name, final in (
+        (entry.data_file, None),
+        (entry.data_tmp, entry.data_file),
+        (entry.manifest_tmp, MANIFEST_NAME),
+    ):
+        try:
+            names.check_plain_name(name, what="file")
+            if final is not None:
+                names.check_temp_name(name, final)
+        except names.NameError_ as exc:
+            raise JournalError(str(exc)) from None
+    dir_fd = open_directory(entry.directory, entry.directory_id)
+    fds = [dir_fd]
+    try:
+        peer = Peer(0, entry.uid, entry.gid, frozenset(entry.groups))
+        if not may_write_dir(os.fstat(dir_fd), peer):
+            raise JournalError(
+                f"uid {entry.uid} can no longer write {entry.directory}; shmstaged will not "
+                "write there on its behalf"
+            )
+        data_fd = _open_file(dir_fd, (entry.data_tmp, entry.data_file), entry.data_id)
+        if data_fd is None:
+            raise JournalError(
+                f"the data file the client created in {entry.directory} is gone "
+                f"(neither {entry.data_tmp} nor {entry.data_file} is it any more)"
+            )
+        fds.append(data_fd)
+        manifest_fd = _open_file(dir_fd, (entry.manifest_tmp, MANIFEST_NAME), entry.manifest_id)
+        if manifest_fd is None:
+            raise JournalError(f"the manifest file the client created in {entry.directory} is gone")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return job.Destination(
+        dir_fd,
+        data_fd,
+        manifest_fd,
+        entry.data_file,
+        entry.data_tmp,
+        entry.manifest_tmp,
+        path=entry.directory,
+    )
+
+
+def _check_segments(entry: Entry) -> list[SegmentRef]:
+    """The entry's segments, each one this daemon's uid's and of the recorded instance."""
+    refs = []
+    for name, size in entry.segments:
+        if segment.instance_of(name) != entry.instance:
+            raise JournalError(f"segment {name!r} does not belong to instance {entry.instance}")
+        try:
+            st = os.stat(segment.SHM_DIR + name)
+        except FileNotFoundError:
+            raise JournalError(
+                f"staged data of the job is gone: segment {name} was removed from "
+                f"{segment.SHM_DIR} (reboot, or removed by hand)"
+            ) from None
+        if st.st_uid != os.geteuid() or st.st_size < size:
+            raise JournalError(f"segment {name} is not the one the job staged")
+        refs.append(SegmentRef(name, size))
+    return refs
+
+
+def recover(entry: Entry) -> job.JobResult:
+    """Finish a journaled job (runs in a writer thread; never raises)."""
+    try:
+        layout = Layout.from_wire(entry.tensors, max_tensors=1 << 30)
+        refs = _check_segments(entry)
+        if len(refs) != len(layout.tensors):
+            raise JournalError("the entry's segments do not match its layout")
+        destination = reopen(entry)
+    except (JournalError, LayoutError, OSError) as exc:
+        return job.JobResult(
+            entry.job,
+            False,
+            code="journal",
+            message=f"cannot finish {entry.describe()}: {exc}",
+        )
+    persist = job.PersistJob(
+        id=entry.job,
+        layout=layout,
+        segments=refs,
+        header=entry.header,
+        destination=destination,
+        tree=entry.tree,
+        metadata=entry.metadata,
+        save_info={**entry.save_info, "recovered_by_restart": True},
+        fsync=entry.fsync,
+    )
+    return job.run(persist)
+
+
+# -- the journal directory -----------------------------------------------------------
+
+
+class Journal:
+    """One daemon identity's journal directory. Writes run in one dedicated I/O thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def prepare(self) -> None:
+        """Create the directory, or accept it only if it is ours and nobody else's to write.
+
+        Entries tell a root daemon where to write: a journal another user could add files to
+        would let them aim it anywhere.
+        """
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.directory, 0o700)
+        st = os.lstat(self.directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise JournalError(
+                f"journal {self.directory} is not a directory owned by uid {os.geteuid()}; "
+                "remove it (shmstaged recreates it)"
+            )
+        if st.st_mode & 0o077:
+            os.chmod(self.directory, 0o700)
+
+    def record(self, entry: Entry, *, fsync: bool) -> None:
+        """Add an entry atomically: whole after a crash, or absent."""
+        data = entry.to_bytes()
+        tmp = f".{entry.name}{_TMP_SUFFIX}"
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=dir_fd,
+            )
+            try:
+                job.write_all(fd, data, 0)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, entry.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            if fsync:
+                os.fsync(dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(dir_fd)
+
+    def remove(self, name: str, *, fsync: bool) -> None:
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
+            if fsync:
+                os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def load(self) -> list[Entry]:
+        """Every intact entry; unusable ones are logged and removed (they can never finish)."""
+        entries = []
+        for name in sorted(os.listdir(self.directory)):
+            path = self.directory / name
+            if name.endswith(_TMP_SUFFIX):  # an entry never acknowledged: its job never ran
+                path.unlink(missing_ok=True)
+                continue
+            if not name.endswith(JOURNAL_SUFFIX):
+                continue
+            try:
+                st = path.lstat()
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise JournalError("not a regular file owned by this daemon's uid")
+                if st.st_size > MAX_ENTRY_BYTES:
+                    raise JournalError(f"{st.st_size} bytes is not a plausible entry")
+                entry = Entry.from_bytes(path.read_bytes())
+                if entry.name != name:
+                    raise JournalError(f"its contents are those of {entry.name}")
+            except (OSError, JournalError) as exc:
+                log.error("journal: dropping unusable entry %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            entries.append(entry)
+        return entries

@@ -1,0 +1,184 @@
+"""Shared by the fault, hostile-input and soak tests: deterministic states, torn-checkpoint
+checks, the journal's contents, and real small filesystems to break."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shmstage import checkpoint, instance, segment
+
+TRAINER = Path(__file__).with_name("trainer.py")
+
+
+def make_state(seed: int, *, numel: int = 1 << 16, tensors: int = 3) -> dict:
+    """A state dict anyone can rebuild from its seed: the trainer process and the test."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "layers": [torch.randn(numel, generator=gen) for _ in range(tensors)],
+        "bias": torch.arange(17, dtype=torch.int64) * seed,
+        "step": seed,
+    }
+
+
+def single_tensor_state(seed: int) -> dict:
+    """One tensor: a job that never reaches the ``mid-stream`` hook (it fires at tensor 2)."""
+    return {"w": torch.full((1000,), float(seed))}
+
+
+def assert_same_state(actual: object, expected: object, where: str = "state") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        assert torch.equal(actual.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8))
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), where  # type: ignore[arg-type]
+        for key in expected:
+            assert_same_state(actual[key], expected[key], f"{where}[{key!r}]")  # type: ignore[index]
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where  # type: ignore[arg-type]
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):  # type: ignore[call-overload]
+            assert_same_state(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, where
+
+
+def assert_checkpoint_equals(path: Path, expected: object) -> None:
+    from shmstage_client import load
+
+    assert checkpoint.verify(path) == [], checkpoint.verify(path)
+    assert_same_state(load(path), expected)
+
+
+def assert_not_torn(path: Path) -> None:
+    """Either a complete checkpoint that verifies, or no commit marker — and then any file
+    under a final ``*.safetensors`` name (DCP reads them all) is whole: the daemon links a
+    data file only once it is fully written and fsynced, and the manifest comes after."""
+    if not path.exists():
+        return
+    if checkpoint.is_complete(path):
+        assert checkpoint.verify(path) == [], checkpoint.verify(path)
+        return
+    for data in path.glob("*.safetensors"):
+        with safe_open(str(data), framework="pt") as file:  # the real reader accepts it whole
+            for key in file.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                file.get_tensor(key)
+
+
+def published_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
+
+
+def assert_not_published(path: Path) -> None:
+    """Nothing under a final name at all (a save that never reached its commit)."""
+    assert not path.exists() or published_files(path) == [], published_files(path)
+
+
+def journal_dir(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".journal")
+
+
+def journal_entries(sock: Path) -> list[str]:
+    directory = journal_dir(sock)
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def lock_exists(instance_id: str) -> bool:
+    return os.path.exists(instance.lock_path(instance_id))
+
+
+def instance_clean(instance_id: str) -> bool:
+    """No segment and no lock file of this (dead) daemon instance left in /dev/shm."""
+    return segment.list_names(instance_id) == [] and not lock_exists(instance_id)
+
+
+def start_trainer(sock: Path, root: Path, mode: str, seed: int, *extra: str) -> subprocess.Popen:
+    """A real trainer process (``trainer.py``); it prints one marker line per milestone."""
+    return subprocess.Popen(
+        [sys.executable, str(TRAINER), str(sock), str(root), mode, str(seed), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_marker(proc: subprocess.Popen, expected: str, timeout: float = 60) -> str:
+    """The trainer's next marker line; fails with its stderr if it died or stayed silent."""
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            proc.kill()
+            raise TimeoutError(f"trainer printed nothing for {timeout} s (wanted {expected})")
+    line = proc.stdout.readline().strip()
+    if not line.startswith(expected):
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"trainer said {line!r}, wanted {expected!r}:\n{err}")
+    return line
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(10)
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"{what} needs root (mounts, other uids)")
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A real, tiny tmpfs: ENOSPC comes from the kernel, not from a mock."""
+    require_root("a small tmpfs")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs CAP_SYS_ADMIN")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def loop_ext4(where: Path, image: Path, size_mib: int = 32) -> Iterator[Path]:
+    """A real ext4 filesystem on a loop device (for chattr +i, which tmpfs lacks)."""
+    require_root("a loop-mounted ext4")
+    where.mkdir(parents=True, exist_ok=True)
+    with open(image, "wb") as file:
+        file.truncate(size_mib << 20)
+    made = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-L", uuid.uuid4().hex[:12], str(image)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    done = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(where)], capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot loop-mount ext4 here ({done.stderr.strip()})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=60)
