@@ -23,7 +23,7 @@ from shmstage_client.errors import (
     UnsupportedValue,
 )
 from shmstage_client.loading import load
-from shmstage_client.stager import SaveHandle, SaveResult, Stager
+from shmstage_client.stager import SaveEvent, SaveHandle, SaveResult, Stager
 
 __version__ = "0.1.0"
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "DaemonUnavailable",
     "PersistError",
     "SaveError",
+    "SaveEvent",
     "SaveHandle",
     "SaveResult",
     "SaveTimeout",

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,32 @@ class SaveResult:
     files: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class SaveEvent:
+    """What ``Stager(progress=...)`` is told: a save was staged, became durable, or failed.
+
+    ``phase`` is "staged" (``save()`` is returning; training may go on), "durable" (with
+    ``result``) or "failed" (with ``error``).
+    """
+
+    path: Path
+    phase: str
+    stage_seconds: float
+    slot_wait_seconds: float
+    result: SaveResult | None = None
+    error: SaveError | None = None
+
+
+ProgressCallback = Callable[[SaveEvent], None]
+
+
 class SaveHandle:
-    """A committed save being written by the daemon."""
+    """A committed save being written by the daemon.
+
+    Its outcome is settled once, when the daemon's answer (or the loss of the daemon)
+    arrives: that is when the save's log line is written and the progress callback runs,
+    whether or not anybody calls ``wait()``.
+    """
 
     def __init__(
         self,
@@ -70,53 +94,88 @@ class SaveHandle:
         setup: float,
     ) -> None:
         self._stager = stager
+        # Job ids are per connection: forget this one on the connection that knows it,
+        # not on a newer one the Stager made after a daemon restart.
+        self._connection = stager._connection
         self.job = job
         self.path = path
         self._future = future
         self._stage, self._slot_wait, self._setup = stage, slot_wait, setup
         self._result: SaveResult | None = None
+        self._error: SaveError | None = None
+        self._settled = threading.Event()
+        stager._notify(SaveEvent(path, "staged", stage, slot_wait))
+        future.add_done_callback(self._settle)
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._settled.is_set()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Block until the checkpoint is durable (or failed); raises a SaveError subclass."""
-        if self._result is not None:
-            return self._result
-        try:
-            message = self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        if not self._settled.wait(timeout):
             raise SaveTimeout(
                 f"checkpoint {self.path} was not durable within {timeout} s; it is still "
                 "being written (call wait() again)"
-            ) from None
-        finally:
-            if self._future.done():
-                self._stager._forget(self)
-        result = message["result"]
-        if not message["ok"]:
-            raise PersistError(result.get("code", "?"), result.get("message", "unknown"))
-        self._result = SaveResult(
-            path=self.path,
-            bytes=int(result["bytes"]),
-            stage_seconds=self._stage,
-            slot_wait_seconds=self._slot_wait,
-            setup_seconds=self._setup,
-            persist_seconds=float(result["persist_seconds"]),
-            files=tuple(result["files"]),
-        )
-        gbps = self._result.bytes / self._stage / 1e9 if self._stage > 0 else float("inf")
-        log.info(
-            "shmstage save %s: %d bytes, stage %.3f s (%.2f GB/s), slot wait %.3f s, "
-            "persist %.3f s",
-            self.path,
-            self._result.bytes,
-            self._stage,
-            gbps,
-            self._slot_wait,
-            self._result.persist_seconds,
-        )
+            )
+        self._stager._forget(self)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
         return self._result
+
+    def _settle(self, future: concurrent.futures.Future) -> None:
+        """Runs once, in the connection's reader thread (or here, if already done)."""
+        try:
+            message = future.result()
+            result = message["result"]
+            if not message["ok"]:
+                raise PersistError(result.get("code", "?"), result.get("message", "unknown"))
+            self._result = SaveResult(
+                path=self.path,
+                bytes=int(result["bytes"]),
+                stage_seconds=self._stage,
+                slot_wait_seconds=self._slot_wait,
+                setup_seconds=self._setup,
+                persist_seconds=float(result["persist_seconds"]),
+                files=tuple(result["files"]),
+            )
+        except DaemonLost as exc:
+            self._error = DaemonLost(
+                f"checkpoint {self.path} has no confirmed result: {exc}. It may be incomplete "
+                "(`shmstage ls` shows it as partial); this Stager reconnects on its next save"
+            )
+        except SaveError as exc:
+            self._error = exc
+        except Exception as exc:  # a malformed answer must still settle the handle
+            self._error = SaveError(f"checkpoint {self.path}: unexpected answer: {exc!r}")
+        if self._result is not None:
+            r = self._result
+            log.info(
+                "shmstage save %s: %s durable; stage %.3f s (%.2f GB/s), slot wait %.3f s, "
+                "setup %.3f s, persist %.3f s (%.2f GB/s)",
+                self.path,
+                _gib(r.bytes),
+                r.stage_seconds,
+                _gbps(r.bytes, r.stage_seconds),
+                r.slot_wait_seconds,
+                r.setup_seconds,
+                r.persist_seconds,
+                _gbps(r.bytes, r.persist_seconds),
+            )
+            event = SaveEvent(self.path, "durable", self._stage, self._slot_wait, result=r)
+        else:
+            log.warning("shmstage save %s failed: %s", self.path, self._error)
+            event = SaveEvent(self.path, "failed", self._stage, self._slot_wait, error=self._error)
+        self._settled.set()
+        self._stager._notify(event)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 class Stager:
@@ -126,19 +185,27 @@ class Stager:
     checkpoint still streams from the other. ``wait_for_slot``: when every slot is busy,
     wait (True, the default) or raise SlotUnavailable at once. ``pin``: page-lock the
     segments for CUDA when a layout is registered — "auto" does so when the state dict
-    holds CUDA tensors. Not thread-safe: one Stager per training process.
+    holds CUDA tensors. ``slots=None`` takes the daemon's ``default_slots``.
+    ``progress``: called with a SaveEvent when a save is staged, durable or failed; the
+    last two come from the connection's reader thread, so keep it quick and do not call
+    the Stager from it. Not thread-safe: one Stager per training process.
+
+    If shmstaged restarts, saves in flight fail with DaemonLost naming the checkpoint, and
+    the next ``save()`` reconnects and registers its layout again by itself.
     """
+
 
     def __init__(
         self,
         socket: str | os.PathLike[str] | None = None,
         *,
-        slots: int = 1,
+        slots: int | None = None,
         wait_for_slot: bool = True,
         slot_timeout: float | None = None,
         request_timeout: float = 600.0,
         data_file: str = DEFAULT_DATA_FILE,
         pin: bool | str = "auto",
+        progress: ProgressCallback | None = None,
     ) -> None:
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin={pin!r}: use True, False or 'auto'")
@@ -158,6 +225,7 @@ class Stager:
         self._layout: MappedLayout | None = None
         self._pending: set[SaveHandle] = set()
         self._lock = threading.Lock()
+        self._progress = progress
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -233,6 +301,8 @@ class Stager:
                     "tree": encoded,
                     "metadata": plain_metadata,
                     "file_metadata": {"format": "pt"},
+                    "stage_seconds": stage,
+                    "slot_wait_seconds": slot_wait,
                 },
                 target.fds(),
                 timeout=self.request_timeout,
@@ -253,7 +323,32 @@ class Stager:
     def _forget(self, handle: SaveHandle) -> None:
         with self._lock:
             self._pending.discard(handle)
-        self._connection.forget_job(handle.job)
+        handle._connection.forget_job(handle.job)
+
+    def _notify(self, event: SaveEvent) -> None:
+        if self._progress is None:
+            return
+        try:
+            self._progress(event)
+        except Exception:  # a broken callback must not fail the save or kill the reader
+            log.exception("shmstage progress callback raised; ignored")
+
+    def _reconnect_if_lost(self) -> None:
+        """After a daemon restart: a new connection, and no layout (the next save registers).
+
+        Saves that were in flight on the old connection already failed with DaemonLost; the
+        old daemon's segments are unmapped here and were reaped by the new daemon.
+        """
+        if self._connection.alive:
+            return
+        log.warning("shmstaged connection was lost; reconnecting to %s", self._connection.path)
+        if self._layout is not None:
+            self._layout.close()
+            self._layout = None
+        self._connection.close()
+        self._connection = DaemonConnection(
+            self._connection.path, client_name=f"shmstage-client pid {os.getpid()}"
+        )
 
     def _wants_pin(self, items: list[tuple[str, torch.Tensor]]) -> bool:
         if self.pin == "auto":
@@ -267,19 +362,22 @@ class Stager:
 
     def _mapped(self, layout: Layout, pin: bool = False) -> MappedLayout:
         """Reuse the registered layout when the structure is identical, else replace it."""
+        self._reconnect_if_lost()
         if self._layout is not None and self._layout.structure_key == layout.structure_key:
             return self._layout
         if self._layout is not None:
             old, self._layout = self._layout, None
             self._connection.call("release", {"layout": old.id}, timeout=self.request_timeout)
             old.close()
-        handle = self._connection.start(
-            "register", {"tensors": layout.to_wire(), "slots": self.slots}
-        )
+        request: dict[str, Any] = {"tensors": layout.to_wire()}
+        if self.slots is not None:
+            request["slots"] = self.slots
+        handle = self._connection.start("register", request)
         fds: list[int] = []
         try:
             reply = handle.next(self.request_timeout)
             layout_id, total = reply.body["layout"], reply.body["segments"]
+            slots = reply.body["slots"]
             while len(fds) < total:
                 frame = handle.next(self.request_timeout)
                 if frame.op != "segment_fds" or frame.body["first"] != len(fds):
@@ -293,7 +391,7 @@ class Stager:
             raise
         finally:
             handle.finish()
-        self._layout = MappedLayout.from_fds(layout_id, layout, self.slots, fds, pin=pin)
+        self._layout = MappedLayout.from_fds(layout_id, layout, slots, fds, pin=pin)
         return self._layout
 
     def _acquire(self, mapped: MappedLayout) -> tuple[int, float]:

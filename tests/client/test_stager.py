@@ -175,7 +175,7 @@ def test_structure_changes_register_new_layouts(daemon, ckpt: Path) -> None:
         ({"a": torch.ones(5), "b": torch.zeros(2)}, {"a": [0]}),
         ({"a": torch.full((5,), 7.0), "b": torch.zeros(2)}, {"a": [5]}),  # changed offset
     ]
-    with Stager(daemon.socket) as stager:
+    with Stager(daemon.socket, slots=1) as stager:
         layout_ids = []
         for i, (state, offsets) in enumerate(states):
             stager.save(state, ckpt / f"c{i}", offsets=offsets).wait(60)
