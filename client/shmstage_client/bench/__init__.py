@@ -172,9 +172,20 @@ def run(args: argparse.Namespace) -> dict:
     return build_report(results, config, total)
 
 
+def _raise_fd_limit() -> None:
+    """Peers that pass one descriptor per tensor (nvidia-resiliency-ext's queues) exhaust
+    the default soft limit of 1024 at 10,000 tensors; give every method the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; exits 0 even when methods failed, since those are results."""
     args = parse_args(argv)
+    _raise_fd_limit()
     report = run(args)
     print(format_table(report))
     if args.json:
