@@ -123,7 +123,7 @@ class DaemonConnection:
                         "connection closed by this client"
                         if self._closing
                         else f"shmstaged at {self.path} closed the connection (daemon stopped or "
-                        "restarted); in-flight saves have no confirmed result"
+                        "restarted)"
                     )
                     break
         except ProtocolError as exc:

@@ -166,8 +166,8 @@ class SaveHandle:
         else:
             log.warning("shmstage save %s failed: %s", self.path, self._error)
             event = SaveEvent(self.path, "failed", self._stage, self._slot_wait, error=self._error)
+        self._stager._notify(event)  # before wait() returns: events arrive in order
         self._settled.set()
-        self._stager._notify(event)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
