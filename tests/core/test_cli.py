@@ -1,0 +1,195 @@
+"""``shmstage status / ls / gc / metrics`` as an operator runs them, against a live daemon.
+
+Two trainers are connected; one has a checkpoint held mid-write by the daemon's test-only
+fault hook, so "jobs in flight with progress" is observed for real, not timed by luck.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from harness import RunningDaemon, start_daemon
+from shmstage_client import Stager
+
+from shmstage import checkpoint, instance, segment
+from shmstage.manifest import MANIFEST_NAME
+
+WAIT_S = 30.0
+PAUSE_S = 10  # long enough for every command below to look at the held job
+
+
+def shmstage(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if check:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+@pytest.fixture
+def paused_daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
+    """A daemon whose checkpoints of two or more tensors stop after the first one, PAUSE_S s."""
+    daemon = start_daemon(
+        tmp_path / "d", env={"SHMSTAGE_FAULT": f"pause-mid-stream:{PAUSE_S}"}
+    )
+    yield daemon
+    if daemon.proc.poll() is None:
+        daemon.proc.kill()
+        daemon.proc.wait(10)
+    for name in segment.list_names(daemon.instance):
+        segment.unlink(name)
+
+
+def fake_dead_instance(segments: int) -> tuple[str, list[str]]:
+    """What a SIGKILLed daemon leaves: an unheld lock and named segments."""
+    dead = segment.new_instance_id()
+    Path(instance.lock_path(dead)).write_text("12345\n")
+    return dead, [segment.create(dead, 4096).name for _ in range(segments)]
+
+
+def test_status_ls_gc_and_metrics_against_a_live_daemon_with_two_clients(
+    paused_daemon: RunningDaemon, ckpt: Path
+) -> None:
+    daemon = paused_daemon
+    sock = str(daemon.socket)
+    first = Stager(daemon.socket, slots=1)
+    second = Stager(daemon.socket, slots=2)
+    try:
+        first.save({"w": torch.ones(1 << 16)}, ckpt / "step-100", metadata={"step": 100}).wait(
+            WAIT_S
+        )
+        held = second.save(
+            {"a": torch.ones(1 << 18), "b": torch.zeros(1 << 18)},
+            ckpt / "step-200",
+            metadata={"step": 200},
+        )
+        daemon.wait_log("fault: pausing at mid-stream", timeout=WAIT_S)
+
+        # -- status --json: the daemon, its budget, both trainers, the held job's progress.
+        status = json.loads(shmstage("status", "--json", "--socket", sock).stdout)
+        assert status["instance"] == daemon.instance and status["pid"] == daemon.proc.pid
+        assert 0 < status["shm_reserved_bytes"] <= status["shm_budget_bytes"]
+        trainers = {
+            c["id"]: c for c in status["clients"] if c["name"].startswith("shmstage-client")
+        }
+        assert sorted((c["layouts"], c["segments"]) for c in trainers.values()) == [
+            (1, 1),
+            (1, 4),
+        ]
+        assert all(c["pid"] == os.getpid() and c["uid"] == os.getuid() for c in trainers.values())
+        (job,) = status["jobs"]
+        assert job["bytes"] == 2 << 20 and 0 < job["bytes_written"] < job["bytes"]
+        assert job["phase"] == "writing" and job["directory"] == str(ckpt / "step-200")
+        assert status["recent"]["saves"] == 1 and status["totals"]["saves"] == 1
+
+        # -- the table, and --watch with progress bars.
+        table = shmstage("status", "--socket", sock).stdout
+        assert "CLIENTS (2)" in table and "JOBS IN FLIGHT (1)" in table
+        assert str(ckpt / "step-200") in table and "50.0%" in table
+        watch = shmstage("status", "--socket", sock, "--watch", "--count", "2", "--interval",
+                         "0.1").stdout
+        assert watch.count("JOBS IN FLIGHT (1)") == 2
+        assert re.search(r"\[#+\.+\]\s+50\.0%", watch)
+
+        # -- ls: the finished checkpoint is complete, the held one partial.
+        listed = {c["path"]: c for c in json.loads(shmstage("ls", str(ckpt), "--json").stdout)}
+        assert listed[str(ckpt / "step-100")]["state"] == "complete"
+        assert listed[str(ckpt / "step-100")]["step"] == 100
+        assert listed[str(ckpt / "step-200")]["state"] == "partial"
+
+        # -- gc: reaps a dead instance, never the live daemon's segments.
+        live_before = sorted(daemon.segments())
+        dead, dead_names = fake_dead_instance(3)
+        dry = json.loads(shmstage("gc", "--dry-run", "--json").stdout)
+        assert set(dead_names) <= set(dry["segments"]) and dry["dry_run"]
+        assert all(os.path.exists(segment.SHM_DIR + n) for n in dead_names)
+        report = json.loads(shmstage("gc", "--json").stdout)
+        assert set(dead_names) <= set(report["segments"]) and dead in report["dead_instances"]
+        assert daemon.instance in report["live_instances"]
+        assert not any(os.path.exists(segment.SHM_DIR + n) for n in dead_names)
+        assert not os.path.exists(instance.lock_path(dead))
+        assert sorted(daemon.segments()) == live_before
+
+        # The held checkpoint still completes after gc.
+        assert held.wait(WAIT_S).bytes > 2 << 20
+        assert checkpoint.verify(ckpt / "step-200") == []
+
+        # -- metrics: Prometheus text with counters and histograms.
+        text = shmstage("metrics", "--socket", sock).stdout
+        assert 'shmstage_saves_total{result="ok"} 2' in text
+        assert "# TYPE shmstage_persist_seconds histogram" in text
+        assert "shmstage_stage_seconds_count 2" in text
+        assert 'shmstage_persist_seconds_bucket{le="+Inf"} 2' in text
+        assert "shmstage_clients 3" in text  # two trainers and this command
+        sample = re.compile(r"^[a-z_]+(\{[^}]*\})? -?[0-9.e+]+$")
+        for line in text.splitlines():
+            assert line.startswith("# ") or sample.match(line), line
+    finally:
+        first.close()
+        second.close()
+
+    table = shmstage("ls", str(ckpt)).stdout.splitlines()
+    assert table[0].split() == ["STEP", "STATE", "SIZE", "FILES", "COMMITTED", "PATH"]
+    assert [row.split()[:2] for row in table[1:]] == [["100", "complete"], ["200", "complete"]]
+
+
+def test_ls_reports_a_checkpoint_whose_files_do_not_match_its_manifest(
+    daemon: RunningDaemon, ckpt: Path
+) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save({"w": torch.ones(64)}, ckpt / "run" / "good", metadata={"step": 1}).wait(
+            WAIT_S
+        )
+    shutil.copytree(ckpt / "run" / "good", ckpt / "run" / "cut")
+    with open(ckpt / "run" / "cut" / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    (ckpt / "run" / "empty").mkdir()  # not a checkpoint: not listed
+    (ckpt / "other").mkdir()
+    (ckpt / "other" / MANIFEST_NAME).write_text("{not json")
+    listed = {
+        Path(c["path"]).name: c for c in json.loads(shmstage("ls", str(ckpt), "--json").stdout)
+    }
+    assert sorted(listed) == ["cut", "good", "other"]
+    assert listed["good"]["state"] == "complete" and listed["good"]["files"] == 2
+    assert listed["cut"]["state"] == "damaged"
+    assert "model.safetensors is 10 bytes" in listed["cut"]["problem"]
+    assert listed["other"]["state"] == "damaged" and listed["other"]["step"] is None
+    assert "damaged (model.safetensors is 10 bytes" in shmstage("ls", str(ckpt)).stdout
+
+
+def test_commands_that_need_the_daemon_say_so_when_it_is_not_running(tmp_path: Path) -> None:
+    for command in ("status", "metrics"):
+        out = shmstage(command, "--socket", str(tmp_path / "none.sock"), check=False)
+        assert out.returncode == 3
+        assert "is shmstaged running?" in out.stderr
+    out = shmstage("ls", str(tmp_path / "missing"), check=False)
+    assert out.returncode == 2 and "is not a directory" in out.stderr
+
+
+def test_the_cli_never_imports_torch_or_the_daemon() -> None:
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, shmstage.cli, shmstage.control, shmstage.listing, shmstage.instance; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'shmstage_daemon', 'shmstage_client', 'psutil')))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.strip() == "[]", probe.stderr
