@@ -48,11 +48,16 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
 
 
 class Checkpoint:
-    """An open checkpoint: its manifest and a read-only mapping of each data file."""
+    """An open checkpoint: its manifest and a read-only mapping of each data file.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``manifest_name``: the manifest to read instead of ``MANIFEST_NAME`` — a directory can
+    hold several single-file checkpoints side by side (a DCP checkpoint keeps one manifest
+    per rank file), each opened and verified with exactly these rules.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], manifest_name: str = MANIFEST_NAME) -> None:
         self.path = Path(path)
-        manifest_path = self.path / MANIFEST_NAME
+        manifest_path = self.path / manifest_name
         try:
             size = manifest_path.stat().st_size
             if size > MAX_MANIFEST_BYTES:
@@ -60,11 +65,12 @@ class Checkpoint:
             self.manifest = Manifest.from_bytes(manifest_path.read_bytes())
         except FileNotFoundError:
             raise CheckpointError(
-                f"{self.path} is not a complete shmstage checkpoint: {MANIFEST_NAME} is "
+                f"{self.path} is not a complete shmstage checkpoint: {manifest_name} is "
                 "missing (the save never committed, or this is not a checkpoint directory)"
             ) from None
         except (OSError, ManifestError) as exc:
             raise CheckpointError(f"{manifest_path}: {exc}") from exc
+        self._manifest_name = manifest_name
         self._maps: dict[str, mmap.mmap] = {}
         self._headers: dict[str, datafile.Header] = {}
         try:
@@ -154,11 +160,11 @@ class Checkpoint:
         try:
             referenced = tree.tensor_keys(self.manifest.tree)
         except tree.TreeError as exc:
-            yield f"{self.path / MANIFEST_NAME}: {exc}"
+            yield f"{self.path / self._manifest_name}: {exc}"
             referenced = list(self.manifest.tensors)
         missing = set(referenced) - set(self.manifest.tensors)
         for key in sorted(missing):
-            yield f"{self.path / MANIFEST_NAME}: structure refers to unknown tensor {key!r}"
+            yield f"{self.path / self._manifest_name}: structure refers to unknown tensor {key!r}"
         for key in self.manifest.tensors:
             try:
                 self.tensor_bytes(key).release()

@@ -194,7 +194,6 @@ class Stager:
     the next ``save()`` reconnects and registers its layout again by itself.
     """
 
-
     def __init__(
         self,
         socket: str | os.PathLike[str] | None = None,
@@ -211,9 +210,7 @@ class Stager:
             raise ValueError(f"pin={pin!r}: use True, False or 'auto'")
         self.pin = pin
         self._copier = CopyEngine()
-        names.check_plain_name(data_file, what="data file")
-        if not data_file.endswith(SUFFIX):
-            raise ValueError(f"data_file {data_file!r} must end in {SUFFIX}")
+        check_data_file(data_file)
         self.slots = slots
         self.wait_for_slot = wait_for_slot
         self.slot_timeout = slot_timeout
@@ -273,52 +270,51 @@ class Stager:
         ``metadata``: JSON values stored in the manifest (step, run id, ...). ``offsets``:
         for tensors that are shards of a larger one, flat key -> offset of the shard in the
         global tensor; part of the structure, so a changed offset never reuses buffers.
+
+        The same as ``stage(...).commit(path, metadata=...)``, except that the destination
+        is checked and opened before the copy, so a refused destination costs no copy.
         """
-        encoded, items = _flatten(state_dict)
-        layout = _layout_of(items, offsets or {})
-        plain_metadata = _check_metadata(metadata)
-        target = _Target.create(Path(path), self.data_file)
+        prepared = _Prepared.of(state_dict, offsets)
+        destination = _Destination.create(path, self.data_file, None, metadata)
         try:
-            started = time.perf_counter()
-            mapped = self._mapped(layout, self._wants_pin(items))
-            setup = time.perf_counter() - started
-            slot, slot_wait = self._acquire(mapped)
-            copy_started = time.perf_counter()
-            try:
-                self._copier.copy(mapped.slots[slot], [tensor for _, tensor in items])
-            except BaseException:
-                self._cancel(mapped, slot)
-                raise
-            stage = time.perf_counter() - copy_started
-            reply = self._connection.call(
-                "commit",
-                {
-                    "layout": mapped.id,
-                    "slot": slot,
-                    "data_file": self.data_file,
-                    "data_tmp": target.data_tmp,
-                    "manifest_tmp": target.manifest_tmp,
-                    "tree": encoded,
-                    "metadata": plain_metadata,
-                    "file_metadata": {"format": "pt"},
-                    "stage_seconds": stage,
-                    "slot_wait_seconds": slot_wait,
-                },
-                target.fds(),
-                timeout=self.request_timeout,
-            )
+            staged = self._fill(prepared)
         except BaseException:
-            target.abort()
+            destination.abort()
             raise
-        finally:
-            target.close_fds()
-        job = reply.body["job"]
-        handle = SaveHandle(
-            self, job, target.path, self._connection.job_future(job), stage, slot_wait, setup
-        )
+        return staged._commit(destination)
+
+    def stage(
+        self, state_dict: Any, *, offsets: Mapping[str, Sequence[int]] | None = None
+    ) -> Staged:
+        """Copy ``state_dict`` into a staging slot now; name its destination later.
+
+        Why two phases: some callers learn where a save goes only after the copy that
+        stalls training — PyTorch DCP stages first and plans each rank's file afterwards.
+        Returns once every tensor is copied, as ``save()`` does; the slot then stays this
+        client's until ``Staged.commit()`` or ``Staged.cancel()``. ``offsets`` as in
+        ``save()``.
+        """
+        return self._fill(_Prepared.of(state_dict, offsets))
+
+    def _fill(self, prepared: _Prepared) -> Staged:
+        """Reuse or register the layout, take a slot, copy: the stall ``save()`` reports."""
+        started = time.perf_counter()
+        mapped = self._mapped(prepared.layout, self._wants_pin(prepared.items))
+        setup = time.perf_counter() - started
+        slot, slot_wait = self._acquire(mapped)
+        staged = Staged(self, mapped, slot, prepared.encoded, slot_wait, setup)
+        copy_started = time.perf_counter()
+        try:
+            self._copier.copy(mapped.slots[slot], [tensor for _, tensor in prepared.items])
+        except BaseException:
+            staged.cancel()
+            raise
+        staged.stage_seconds = time.perf_counter() - copy_started
+        return staged
+
+    def _track(self, handle: SaveHandle) -> None:
         with self._lock:
             self._pending.add(handle)
-        return handle
 
     def _forget(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -403,11 +399,186 @@ class Stager:
         )
         return reply.body["slot"], time.perf_counter() - started
 
-    def _cancel(self, mapped: MappedLayout, slot: int) -> None:
+
+class Staged:
+    """A filled slot waiting for its destination (``Stager.stage``).
+
+    ``commit()`` hands it to the daemon to write; ``cancel()`` hands it back unwritten.
+    Exactly one of them happens, once. Until then the slot is this client's, and later
+    saves needing it wait — so resolve every Staged (as a context manager, leaving it
+    uncommitted cancels). ``commit()`` may run on another thread than ``stage()`` did (DCP
+    commits from its checkpoint thread), never concurrently with another call on it.
+    """
+
+    def __init__(
+        self,
+        stager: Stager,
+        mapped: MappedLayout,
+        slot: int,
+        encoded: Any,
+        slot_wait: float,
+        setup: float,
+    ) -> None:
+        self._stager = stager
+        self._connection = stager._connection  # the daemon gave the slot to this session
+        self.layout_id = mapped.id
+        self.slot = slot
+        self.nbytes = mapped.layout.nbytes
+        self._encoded = encoded
+        self.stage_seconds = 0.0
+        self.slot_wait_seconds = slot_wait
+        self.setup_seconds = setup
+        self._lock = threading.Lock()
+        self._state = "staged"  # -> "committing" -> "committed" | "cancelled"
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    @property
+    def open(self) -> bool:
+        """Neither committed nor cancelled yet."""
+        return self._state == "staged"
+
+    def commit(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        data_file: str | None = None,
+        file_metadata: Mapping[str, str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Have the daemon write the staged tensors to the new directory ``path``.
+
+        ``data_file``: the data file's name (default: the Stager's ``data_file``).
+        ``file_metadata``: strings for the safetensors header's ``__metadata__`` (default
+        ``{"format": "pt"}``). ``metadata``: JSON values kept in the manifest. If the
+        destination or the commit is refused, the slot is handed back and this raises.
+        """
         try:
-            self._connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
+            destination = _Destination.create(
+                path, data_file or self._stager.data_file, file_metadata, metadata
+            )
+        except BaseException:
+            self.cancel()
+            raise
+        return self._commit(destination)
+
+    def cancel(self) -> None:
+        """Hand the slot back unwritten; nothing to do once committed or cancelled."""
+        with self._lock:
+            if self._state != "staged":
+                return
+            self._state = "cancelled"
+        self._hand_back()
+
+    def _commit(self, destination: _Destination) -> SaveHandle:
+        with self._lock:
+            if self._state != "staged":
+                destination.abort()
+                destination.close_fds()
+                raise SaveError(f"this staged save was already {self._state}; stage again")
+            self._state = "committing"
+        target = destination.target
+        try:
+            reply = self._connection.call(
+                "commit",
+                {
+                    "layout": self.layout_id,
+                    "slot": self.slot,
+                    "data_file": destination.data_file,
+                    "data_tmp": target.data_tmp,
+                    "manifest_tmp": target.manifest_tmp,
+                    "tree": self._encoded,
+                    "metadata": destination.metadata,
+                    "file_metadata": destination.file_metadata,
+                    "stage_seconds": self.stage_seconds,
+                    "slot_wait_seconds": self.slot_wait_seconds,
+                },
+                target.fds(),
+                timeout=self._stager.request_timeout,
+            )
+        except BaseException:
+            destination.abort()
+            self._state = "cancelled"
+            self._hand_back()  # the daemon refused (or never saw) the commit: slot is ours
+            raise
+        finally:
+            destination.close_fds()
+        self._state = "committed"
+        job = reply.body["job"]
+        handle = SaveHandle(
+            self._stager,
+            job,
+            target.path,
+            self._connection.job_future(job),
+            self.stage_seconds,
+            self.slot_wait_seconds,
+            self.setup_seconds,
+        )
+        self._stager._track(handle)
+        return handle
+
+    def _hand_back(self) -> None:
+        try:
+            self._connection.call(
+                "cancel", {"layout": self.layout_id, "slot": self.slot}, timeout=30
+            )
         except SaveError as exc:
-            log.warning("could not hand slot %d back to shmstaged: %s", slot, exc)
+            log.warning("could not hand slot %d back to shmstaged: %s", self.slot, exc)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A state dict checked and flattened, before anything touches the daemon."""
+
+    encoded: Any
+    items: list[tuple[str, torch.Tensor]]
+    layout: Layout
+
+    @classmethod
+    def of(cls, state_dict: Any, offsets: Mapping[str, Sequence[int]] | None) -> _Prepared:
+        encoded, items = _flatten(state_dict)
+        return cls(encoded, items, _layout_of(items, offsets or {}))
+
+
+@dataclass
+class _Destination:
+    """Everything a commit names, checked, with its directory and files already opened."""
+
+    target: _Target
+    data_file: str
+    file_metadata: dict[str, str]
+    metadata: dict[str, Any]
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        data_file: str,
+        file_metadata: Mapping[str, str] | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> _Destination:
+        data_file = check_data_file(data_file)
+        header = _check_file_metadata(file_metadata)
+        plain = _check_metadata(metadata)
+        return cls(_Target.create(Path(path), data_file), data_file, header, plain)
+
+    def abort(self) -> None:
+        self.target.abort()
+
+    def close_fds(self) -> None:
+        self.target.close_fds()
+
+
+def check_data_file(name: str) -> str:
+    """A data file name the daemon will accept: a plain name ending in ``.safetensors``."""
+    names.check_plain_name(name, what="data file")
+    if not name.endswith(SUFFIX):
+        raise ValueError(f"data_file {name!r} must end in {SUFFIX}")
+    return name
 
 
 def _flatten(state_dict: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
@@ -462,6 +633,21 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         return json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise UnsupportedValue(f"metadata must be plain JSON values: {exc}") from None
+
+
+def _check_file_metadata(file_metadata: Mapping[str, str] | None) -> dict[str, str]:
+    if file_metadata is None:
+        return {"format": "pt"}
+    bad = [
+        key
+        for key, value in file_metadata.items()
+        if not isinstance(key, str) or not isinstance(value, str)
+    ]
+    if bad:
+        raise UnsupportedValue(
+            f"file_metadata must map str to str (safetensors header rule); bad entries: {bad[:5]}"
+        )
+    return dict(file_metadata)
 
 
 class _Target:
