@@ -174,8 +174,12 @@ class DaemonConnection:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            if self._lost is None or not isinstance(self._lost, DaemonLost):
-                self._lost = error if self._lost is None else self._lost
+            if isinstance(self._lost, DaemonRefused):
+                # The daemon said why it hung up (not admitted, protocol error): that reason,
+                # not "connection closed", is what every waiter must hear.
+                error = self._lost
+            elif self._lost is None:
+                self._lost = error
             waiters = list(self._waiting.values())
             jobs = list(self._jobs.values())
         for waiter in waiters:

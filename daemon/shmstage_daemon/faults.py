@@ -40,6 +40,7 @@ POINTS: Final = frozenset(
         "mid-stream",  # in the writer, after the first tensor of a data file is written
         "before-manifest",  # in the writer, after the data file has its final name
         "write",  # every data write of the writer (only with eio-)
+        "sync-dir",  # the writer's last step, after the manifest has its name (eio-)
     }
 )
 ACTIONS: Final = ("pause", "eio")

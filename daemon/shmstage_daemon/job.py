@@ -31,6 +31,7 @@ from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import ErrorCode
 from shmstage.segment import SegmentRef
 from shmstage_daemon import faults
+from shmstage_daemon.admission import Peer, may_write_dir
 
 WRITE_CHUNK: Final = 64 * 1024 * 1024
 
@@ -81,6 +82,9 @@ class PersistJob:
     save_info: dict[str, Any]
     fsync: bool = True
     progress: Progress = field(default_factory=Progress)
+    #: Whose checkpoint this is: names are published only while this peer may still write
+    #: the directory (None: no check, for tests of the job alone).
+    peer: Peer | None = None
 
 
 @dataclass
@@ -124,7 +128,7 @@ def _run(job: PersistJob) -> JobResult:
     dest = job.destination
     step = Step(f"writing {dest.data_file}")
     try:
-        if _is_ours(dest, MANIFEST_NAME, dest.manifest_fd):
+        if is_committed(dest):  # finishing the job of a daemon killed after its commit
             step.now = "syncing the checkpoint directory"
             size = os.fstat(dest.data_fd).st_size
             _sync_dir(dest, job.fsync)
@@ -138,6 +142,7 @@ def _run(job: PersistJob) -> JobResult:
             )
         total, checksums = _write_data(job, step)
         step.now = f"publishing {dest.data_file}"
+        _check_writable(job)
         _publish(dest, dest.data_tmp, dest.data_file, dest.data_fd)
         faults.pause("before-manifest")
         step.now = f"writing {MANIFEST_NAME}"
@@ -156,8 +161,10 @@ def _run(job: PersistJob) -> JobResult:
         if job.fsync:
             os.fsync(dest.manifest_fd)
         step.now = f"publishing {MANIFEST_NAME}"
+        _check_writable(job)
         _publish(dest, dest.manifest_tmp, MANIFEST_NAME, dest.manifest_fd)
         step.now = "syncing the checkpoint directory"
+        faults.maybe_eio("sync-dir")
         _sync_dir(dest, job.fsync)
         return JobResult(
             job.id,
@@ -253,12 +260,13 @@ def _stream_segment(
     try:
         with memoryview(mapping) as view:
             for start in range(0, nbytes, WRITE_CHUNK):
-                chunk = view[start : min(start + WRITE_CHUNK, nbytes)]
-                crc = checksum(chunk, crc)
-                faults.maybe_eio("write")
-                write_all(fd, chunk, position + start)
-                progress.written += len(chunk)
-                chunk.release()
+                # Released even when the write fails: an exported slice would make
+                # mapping.close() raise BufferError and hide the write's real error.
+                with view[start : min(start + WRITE_CHUNK, nbytes)] as chunk:
+                    crc = checksum(chunk, crc)
+                    faults.maybe_eio("write")
+                    write_all(fd, chunk, position + start)
+                    progress.written += len(chunk)
     finally:
         mapping.close()
     return crc
@@ -313,6 +321,34 @@ def _publish(dest: Destination, tmp: str, final: str, fd: int) -> None:
             return
         raise JobFailed(ErrorCode.EXISTS, f"{final} already exists in {dest.path}") from None
     os.unlink(tmp, dir_fd=dest.dir_fd)
+
+
+def _check_writable(job: PersistJob) -> None:
+    """The daemon may run as root: it creates a name only while the saving user could.
+
+    Checked at commit, and again before each publish, so a directory made read-only (or
+    handed to another owner) while the data streamed gets nothing new in it.
+    """
+    if job.peer is not None and not may_write_dir(os.fstat(job.destination.dir_fd), job.peer):
+        raise JobFailed(
+            ErrorCode.NOT_ALLOWED,
+            f"uid {job.peer.uid} can no longer write {job.destination.path} (it was made "
+            "read-only or changed owner while the checkpoint was written); nothing was "
+            "published — make it writable again and save once more",
+        )
+
+
+def is_committed(dest: Destination) -> bool:
+    """Whether this job's own manifest already carries the final name (the commit marker)."""
+    return _is_ours(dest, MANIFEST_NAME, dest.manifest_fd)
+
+
+def discard(dest: Destination) -> None:
+    """Give up a job that will not run: remove what it put in the directory, close it."""
+    try:
+        _undo(dest)
+    finally:
+        dest.close()
 
 
 def _sync_dir(dest: Destination, fsync: bool) -> None:

@@ -90,6 +90,10 @@ class Entry:
     def name(self) -> str:
         return f"{self.instance}.{self.job}{JOURNAL_SUFFIX}"
 
+    def peer(self) -> Peer:
+        """The saving user as SO_PEERCRED saw it at commit (the pid no longer matters)."""
+        return Peer(0, self.uid, self.gid, frozenset(self.groups))
+
     def describe(self) -> str:
         return f"job {self.job} of instance {self.instance} ({self.directory}/{self.data_file})"
 
@@ -273,8 +277,7 @@ def reopen(entry: Entry) -> job.Destination:
     dir_fd = open_directory(entry.directory, entry.directory_id)
     fds = [dir_fd]
     try:
-        peer = Peer(0, entry.uid, entry.gid, frozenset(entry.groups))
-        if not may_write_dir(os.fstat(dir_fd), peer):
+        if not may_write_dir(os.fstat(dir_fd), entry.peer()):
             raise JournalError(
                 f"uid {entry.uid} can no longer write {entry.directory}; shmstaged will not "
                 "write there on its behalf"
@@ -324,20 +327,26 @@ def _check_segments(entry: Entry) -> list[SegmentRef]:
 
 
 def recover(entry: Entry) -> job.JobResult:
-    """Finish a journaled job (runs in a writer thread; never raises)."""
+    """Finish a journaled job (runs in a writer thread; never raises).
+
+    A job whose commit marker the killed daemon already wrote needs no staged bytes, only
+    the directory synced; any other needs every segment it staged, or it is given up and
+    whatever it had put in the directory removed.
+    """
     try:
         layout = Layout.from_wire(entry.tensors, max_tensors=1 << 30)
-        refs = _check_segments(entry)
-        if len(refs) != len(layout.tensors):
-            raise JournalError("the entry's segments do not match its layout")
         destination = reopen(entry)
     except (JournalError, LayoutError, OSError) as exc:
-        return job.JobResult(
-            entry.job,
-            False,
-            code="journal",
-            message=f"cannot finish {entry.describe()}: {exc}",
-        )
+        return _failed(entry, exc)
+    refs: list[SegmentRef] = []
+    if not job.is_committed(destination):
+        try:
+            refs = _check_segments(entry)
+            if len(refs) != len(layout.tensors):
+                raise JournalError("the entry's segments do not match its layout")
+        except (JournalError, OSError) as exc:
+            job.discard(destination)
+            return _failed(entry, exc)
     persist = job.PersistJob(
         id=entry.job,
         layout=layout,
@@ -348,8 +357,15 @@ def recover(entry: Entry) -> job.JobResult:
         metadata=entry.metadata,
         save_info={**entry.save_info, "recovered_by_restart": True},
         fsync=entry.fsync,
+        peer=entry.peer(),
     )
     return job.run(persist)
+
+
+def _failed(entry: Entry, exc: Exception) -> job.JobResult:
+    return job.JobResult(
+        entry.job, False, code="journal", message=f"cannot finish {entry.describe()}: {exc}"
+    )
 
 
 # -- the journal directory -----------------------------------------------------------

@@ -40,6 +40,10 @@ from shmstage_daemon.transport import Transport
 log = logging.getLogger("shmstaged")
 T = TypeVar("T")
 
+#: How long a refused peer gets to read why, and how many may be reading at once.
+REFUSAL_LINGER_S = 2.0
+MAX_LINGERING_REFUSALS = 64
+
 
 class StartupError(Exception):
     """The daemon cannot serve; the message says what to fix."""
@@ -100,6 +104,7 @@ class Daemon:
         )
         self._stop = asyncio.Event()
         self._pending_unlinks: set[asyncio.Future[Any]] = set()
+        self._refusing = 0
         self.journal = journal.Journal(journal.journal_dir(settings.socket_path))
         #: job id -> journal entry name, for jobs acknowledged by this instance.
         self._journaled: dict[int, str] = {}
@@ -213,13 +218,37 @@ class Daemon:
                 "to shmstaged's allowed users",
                 fatal=True,
             )
-            with contextlib.suppress(OSError):
-                sock.send(refusal)
-            transport.close()
+            if self._refusing >= MAX_LINGERING_REFUSALS:  # a flood: no courtesy, just close
+                transport.close()
+                return
+            self._track(asyncio.get_running_loop().create_task(self._refuse(transport, refusal)))
             return
         session = Session(self, next(self._session_ids), transport, peer)
         self.sessions[session.id] = session
         asyncio.get_running_loop().create_task(session.run())
+
+    async def _refuse(self, transport: Transport, refusal: bytes) -> None:
+        """Send the reason, then let the peer read it before closing.
+
+        Closing at once would make the client's first send (its hello) fail with EPIPE
+        before it ever reads why, leaving it with "broken pipe" instead of the fix.
+        """
+        self._refusing += 1
+        try:
+            async with asyncio.timeout(REFUSAL_LINGER_S):
+                await transport.send(refusal)
+                transport.sock.shutdown(socket.SHUT_WR)
+                while True:
+                    data, fds = await transport.recv()
+                    for fd in fds:
+                        os.close(fd)
+                    if not data:
+                        break
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            self._refusing -= 1
+            transport.close()
 
     async def _shutdown(self) -> None:
         if self._listener is not None:
@@ -411,7 +440,7 @@ class Daemon:
 
     def abandon_job(self, session_id: int, staged: StagedLayout, slot: Slot, job_id: int) -> None:
         """Undo ``begin_job`` for a commit that could not be journaled (never acknowledged)."""
-        self.store.end_job(session_id, staged, slot, job_id)
+        self.store.abort_job(session_id, staged, slot, job_id)
         self._collect(staged)
 
     async def _finish_owed(self, entry: journal.Entry) -> None:

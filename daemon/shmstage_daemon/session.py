@@ -338,6 +338,7 @@ class Session:
                 "slot": slot.index,
             },
             fsync=self.daemon.fsync,
+            peer=self.peer,
         )
         try:
             # Durable before acknowledged: a daemon killed after "committed" still owes it.

@@ -202,6 +202,20 @@ class Store:
         usage.jobs += 1
         return job
 
+    def abort_job(self, session: int, staged: StagedLayout, slot: Slot, job: int) -> None:
+        """Undo ``begin_job`` for a commit that was refused after all (never acknowledged).
+
+        Like any refused commit, the slot goes back to the client that filled it, which may
+        cancel it or commit again — unless its layout was released meanwhile.
+        """
+        slot.finish(job)
+        usage = self.usage.get(session)
+        if usage is not None:
+            usage.jobs -= 1
+        if staged.released:
+            return
+        slot.acquire(session)
+
     def end_job(self, session: int, staged: StagedLayout, slot: Slot, job: int) -> None:
         slot.finish(job)
         usage = self.usage.get(session)

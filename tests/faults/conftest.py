@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,3 +38,15 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
             segment.unlink(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(instance.lock_path(running.instance))
+
+
+@pytest.fixture
+def world() -> Iterator[Path]:
+    """A directory other uids can traverse (pytest's tmp_path lives under a 0700 one)."""
+    if os.geteuid() != 0:
+        pytest.skip("tests with another uid need root")
+    base = Path(tempfile.mkdtemp(prefix="shmstage-world-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    subprocess.run(["chattr", "-R", "-i", str(base)], capture_output=True, timeout=30)
+    shutil.rmtree(base, ignore_errors=True)

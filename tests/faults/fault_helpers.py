@@ -7,12 +7,14 @@ import contextlib
 import os
 import subprocess
 import sys
+import textwrap
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from harness import RunningDaemon
 from safetensors import safe_open
 
 from shmstage import checkpoint, instance, segment
@@ -132,6 +134,49 @@ def read_marker(proc: subprocess.Popen, expected: str, timeout: float = 60) -> s
 def kill(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait(10)
+
+
+NOBODY = 65534
+_AS_NOBODY = """
+import os, sys, json, socket
+import torch, posix_ipc
+import shmstage_client
+from shmstage_client import *
+from shmstage import checkpoint, protocol, segment
+os.setgroups([]); os.setgid({gid}); os.setuid({uid})
+"""
+
+
+def admitting_nobody(daemons: Callable[..., RunningDaemon], world: Path, *extra: str, **kw: object):
+    """A daemon whose allowlist has ``nobody`` and whose socket ``nobody`` can reach."""
+    config = world / "shmstaged.toml"
+    config.write_text('[server]\nallowed_users = ["nobody"]\n')
+    running = daemons("--config", str(config), *extra, where=world / "d", **kw)
+    (world / "d").chmod(0o755)
+    running.socket.chmod(0o666)
+    return running
+
+
+def nobody_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, NOBODY, NOBODY)
+    return path
+
+
+def run_as(code: str, *, uid: int = NOBODY, gid: int = NOBODY, timeout: float = 120) -> str:
+    """Run ``code`` as another uid and return what it printed.
+
+    The interpreter lives under /root (0700), so the child imports everything as root
+    first and then drops to ``uid`` for good — SO_PEERCRED sees only the dropped uid.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _AS_NOBODY.format(uid=uid, gid=gid) + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def require_root(what: str) -> None:
