@@ -308,3 +308,38 @@ def _assert_equal(actual: Any, expected_: Any) -> None:
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_the_gpu_bench_script_runs_at_tiny_size_on_cpu_with_gloo(tmp_path) -> None:
+    script = Path(__file__).parents[2] / "scripts" / "dcp_gpu_bench.py"
+    report = tmp_path / "report.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    tiny = ["--device", "cpu", "--dim", "64", "--layers", "2", "--repeat", "1", "--start-daemon"]
+    run = subprocess.run(
+        [
+            *torchrun,
+            "2",
+            str(script),
+            *tiny,
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(report.read_text())["rows"]
+    assert sorted((r["method"], r["rank"]) for r in rows) == [
+        ("dcp-filesystem", 0),
+        ("dcp-filesystem", 1),
+        ("shmstage", 0),
+        ("shmstage", 1),
+    ]
+    for row in rows:
+        assert row["error"] is None and len(row["stall_s"]) == len(row["durable_s"]) == 2
+        assert 0 < row["stall_median_s"] <= row["durable_median_s"]
+    assert "stall med" in run.stdout and "durable med" in run.stdout
+    assert list((tmp_path / "ckpt").iterdir()) == []  # every checkpoint was removed
