@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from shmstage_client.dcp import (
     verify,
 )
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from shmstage import datafile, segment
 
@@ -266,6 +268,41 @@ def test_single_process_dcp_save_into_an_existing_checkpoint_is_refused(daemon, 
     target = {"w": torch.zeros(2, 3), "meta": {"epoch": 0}}
     dcp.load(target, storage_reader=ShmStageReader(ckpt / "c"), no_dist=True)
     assert torch.equal(target["w"], state["w"]) and target["meta"] == {"epoch": 3}
+
+
+def test_a_save_started_before_the_previous_one_committed_fails_that_one_cleanly(
+    daemon, ckpt
+) -> None:
+    held = threading.Event()
+
+    class HeldPlanner(DefaultSavePlanner):
+        def create_global_plan(self, all_plans: list[Any]) -> Any:
+            assert held.wait(30)
+            return super().create_global_plan(all_plans)
+
+    writer = ShmStageWriter(socket=daemon.socket)
+    first = dcp.async_save(
+        {"w": torch.ones(4)},
+        checkpoint_id=ckpt / "first",
+        storage_writer=writer,
+        planner=HeldPlanner(),
+        no_dist=True,
+    )
+    second = dcp.async_save(
+        {"w": torch.full((4,), 2.0)},
+        checkpoint_id=ckpt / "second",
+        storage_writer=writer,
+        no_dist=True,
+    )
+    second.result(timeout=30)
+    held.set()
+    with pytest.raises(dcp.CheckpointException, match="newer async_save started"):
+        first.result(timeout=30)
+    writer.close()
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["second"]
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, storage_reader=ShmStageReader(ckpt / "second"), no_dist=True)
+    assert torch.equal(target["w"], torch.full((4,), 2.0))
 
 
 def test_an_unreachable_daemon_fails_the_save_not_the_training_step(tmp_path) -> None:

@@ -155,9 +155,6 @@ class _Ticket:
         if self.staged is not None:
             self.staged.cancel()  # nothing to do once committed
 
-    def __reduce__(self) -> Any:
-        raise TypeError(PROCESS_MODE_REFUSED)
-
 
 class _Replay:
     """Stands in for one entry of the staged state dict: replays its planned write items."""
@@ -187,7 +184,9 @@ class _TicketEntry:
         raise TypeError(PROCESS_MODE_REFUSED)
 
 
-#: Per planning thread: the ticket whose stand-ins the current save planned (None: dcp.save).
+#: What one save knows on the thread running it (DCP runs a save's steps on one thread; with
+#: async_save each save gets its own): ``ticket``, whose stand-ins this save planned (None for
+#: dcp.save); ``path``, its destination; ``plan``, the coordinator's plan for ``finish``.
 _planning = threading.local()
 
 
@@ -230,7 +229,6 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         self._stager: Stager | None = None
         self._lock = threading.Lock()
         self._unclaimed: list[_Ticket] = []
-        self._local = threading.local()  # the coordinator's per-save plan, for finish()
         self.rank = 0
         self.is_coordinator = False
         self.last_stage: StageStats | None = None
@@ -334,6 +332,8 @@ class ShmStageWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
+            _planning.reset_path = self.path  # this thread's save goes there, whatever
+            # another save's thread sets meanwhile
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
@@ -344,6 +344,8 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
         _planning.ticket = None  # set again while the planner walks the staged state dict
+        _planning.path = getattr(_planning, "reset_path", None) or self.path
+        _planning.reset_path = None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.path is None else str(self.path))
@@ -362,23 +364,22 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.path is None:
+        path: Path | None = _planning.path
+        if path is None:
             raise SaveError(
                 "ShmStageWriter has no checkpoint directory: pass path= or checkpoint_id="
             )
-        if directory.occupied(self.path):
+        if directory.occupied(path):
             raise SaveError(
-                f"{self.path} already exists and is not empty: shmstage never overwrites a "
+                f"{path} already exists and is not empty: shmstage never overwrites a "
                 "checkpoint; save to a new directory"
             )
         save_id = secrets.token_hex(8)
         plans = [
-            dataclasses.replace(
-                plan, storage_data=_RankPlan(save_id, rank, len(plans), str(self.path))
-            )
+            dataclasses.replace(plan, storage_data=_RankPlan(save_id, rank, len(plans), str(path)))
             for rank, plan in enumerate(plans)
         ]
-        self._local.plan = plans[0].storage_data
+        _planning.plan = plans[0].storage_data
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -450,7 +451,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Publish: called by DCP on the coordinator only after every rank wrote durably."""
-        info: _RankPlan = self._local.plan
+        info: _RankPlan = _planning.plan
         directory.publish(
             Path(info.path),
             directory.pending_dir(Path(info.path), info.save_id),
