@@ -478,7 +478,6 @@ class Staged:
         with self._lock:
             if self._state != "staged":
                 destination.abort()
-                destination.close_fds()
                 raise SaveError(f"this staged save was already {self._state}; stage again")
             self._state = "committing"
         target = destination.target
@@ -567,7 +566,9 @@ class _Destination:
         return cls(_Target.create(Path(path), data_file), data_file, header, plain)
 
     def abort(self) -> None:
+        """Remove the temporary files and close everything: this commit will not happen."""
         self.target.abort()
+        self.target.close_fds()
 
     def close_fds(self) -> None:
         self.target.close_fds()

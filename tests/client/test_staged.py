@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -84,3 +85,16 @@ def test_shard_offsets_are_part_of_the_structure(daemon) -> None:
         with stager.stage(state, offsets={"w": [2, 0]}) as moved:
             pass
     assert first.layout_id == same.layout_id != moved.layout_id
+
+
+def test_a_save_refused_for_want_of_a_slot_leaves_no_file_or_descriptor(daemon, ckpt) -> None:
+    state = {"w": torch.ones(4)}
+    with Stager(daemon.socket, slots=1, wait_for_slot=False) as stager:
+        held = stager.stage(state)
+        descriptors = len(os.listdir("/proc/self/fd"))
+        for i in range(5):
+            with pytest.raises(SlotUnavailable):
+                stager.save(state, ckpt / f"refused-{i}")
+            assert list((ckpt / f"refused-{i}").iterdir()) == []
+        assert len(os.listdir("/proc/self/fd")) == descriptors
+        held.cancel()
