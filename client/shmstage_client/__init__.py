@@ -23,7 +23,7 @@ from shmstage_client.errors import (
     UnsupportedValue,
 )
 from shmstage_client.loading import load
-from shmstage_client.stager import SaveEvent, SaveHandle, SaveResult, Stager
+from shmstage_client.stager import SaveEvent, SaveHandle, SaveResult, Staged, Stager
 
 __version__ = "0.1.0"
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "SaveResult",
     "SaveTimeout",
     "SlotUnavailable",
+    "Staged",
     "Stager",
     "StagingLimitExceeded",
     "UnsupportedValue",
