@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from shmstage_client.dcp import directory
-from shmstage_client.errors import SaveError, UnsupportedValue
+from shmstage_client.errors import CheckpointExists, SaveError, UnsupportedValue
 from shmstage_client.stager import SaveResult, Staged, Stager
 
 log = logging.getLogger("shmstage.dcp")
@@ -364,13 +364,13 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        path: Path | None = _planning.path
+        path: Path | None = getattr(_planning, "path", None) or self.path
         if path is None:
             raise SaveError(
                 "ShmStageWriter has no checkpoint directory: pass path= or checkpoint_id="
             )
         if directory.occupied(path):
-            raise SaveError(
+            raise CheckpointExists(
                 f"{path} already exists and is not empty: shmstage never overwrites a "
                 "checkpoint; save to a new directory"
             )
