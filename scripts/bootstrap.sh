@@ -16,7 +16,7 @@ want_test=0
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
 
 stamp="$VENV/.shmstage-$(cat pyproject.toml daemon/pyproject.toml client/pyproject.toml \
-  constraints.txt | sha256sum | cut -c1-16)-$want_test"
+  constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)-$want_test"
 if [[ ! -e $stamp ]]; then
   pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   # This machine's pip configuration names index folders that may be absent: hide that noise.
@@ -24,6 +24,10 @@ if [[ ! -e $stamp ]]; then
   quiet "${pip[@]}" -e . -e daemon -e "client[bench]"
   if (( want_test )); then
     quiet "${pip[@]}" pytest pytest-timeout safetensors hypothesis ruff
+    # atheris (the coverage-guided protocol fuzzer) only from a binary wheel: building it
+    # needs clang/libFuzzer; without it that one fuzz test skips, hypothesis still runs.
+    quiet "${pip[@]}" --only-binary=atheris atheris ||
+      echo "atheris has no wheel for this Python; its fuzz test will be skipped" >&2
   fi
   rm -f "$VENV"/.shmstage-*
   touch "$stamp"

@@ -234,7 +234,13 @@ def open_directory(path: str, expected: FileId) -> int:
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts:
-            child = os.open(part, flags, dir_fd=fd)
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                raise JournalError(
+                    f"{path}: {part!r} is no longer a directory reached without following a "
+                    f"symlink ({exc.strerror})"
+                ) from None
             os.close(fd)
             fd = child
         final = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)

@@ -111,11 +111,13 @@ class Session:
         try:
             if frame.op != "commit" and frame.fds:
                 close_fds(frame.fds)
-                raise RequestError(
-                    ErrorCode.BAD_REQUEST,
+                why = (
                     f"{frame.op} carried {len(frame.fds)} file descriptor(s); only commit "
-                    "passes descriptors (they were closed)",
+                    "passes descriptors (they were closed)"
                 )
+                if frame.op == "hello":  # no handshake without its answer: end the session
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, why, frame.id)
+                raise RequestError(ErrorCode.BAD_REQUEST, why)
             await handler(frame)
         except (RequestError, StoreError) as exc:
             self.daemon.telemetry.error(self.describe(), str(exc.code), exc.message)

@@ -218,7 +218,21 @@ def test_descriptors_on_other_operations_are_closed_not_leaked(daemon) -> None:
     raw.request("status", {})
     assert raw.frame().op == "status"  # the session lives on
     raw.close()
+    # A greeting with descriptors ends the session (found by the fuzzer: it used to leave
+    # the handshake half done, and the next request crashed the session internally).
+    early = RawClient(daemon.socket, hello=False)
+    r, w = os.pipe()
+    early.request("hello", {"version": 1, "client": "x", "pid": 1}, [r, w])
+    os.close(r)
+    os.close(w)
+    early.send_raw(early.conn.send("status", 2, {}))
+    frame = early.frame()
+    assert frame.body["code"] == "bad_request" and frame.body["fatal"], frame.body
+    with pytest.raises(EOFError):
+        early.frame()
+    early.close()
     wait_for(lambda: daemon.fd_count() == baseline, 10, "the daemon's fds back to baseline")
+    assert "internal error" not in daemon.log()
 
 
 @pytest.mark.parametrize("timeout", [math.nan, -1.0, math.inf])

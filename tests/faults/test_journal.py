@@ -1,0 +1,201 @@
+"""The journal's own rules, in-process: entries round-trip, paths are re-opened only if they
+still lead to the very directory the client committed to, a journal nobody else may write,
+and reapers that leave owed segments alone."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from fault_helpers import NOBODY, require_root
+from shmstage_daemon import job, journal
+from shmstage_daemon.admission import Peer
+
+from shmstage import checkpoint, datafile, instance, names, segment
+from shmstage.layout import Layout, TensorSpec
+from shmstage.manifest import MANIFEST_NAME
+
+ROOT = Peer(1, 0, 0, frozenset({0}))
+
+
+def staged_job(directory: Path, instance_id: str, *, peer: Peer = ROOT) -> job.PersistJob:
+    """A committed job as the daemon holds it: segments filled, client's files open."""
+    layout = Layout.of([TensorSpec("a", "U8", (3,)), TensorSpec("b", "I32", (2,))])
+    refs = []
+    payloads = (b"abc", b"\x01\x00\x00\x00\x02\x00\x00\x00")
+    for spec, payload in zip(layout.tensors, payloads, strict=True):
+        ref = segment.create(instance_id, spec.nbytes)
+        fd = segment.open_fd(ref, writable=True)
+        with mmap.mmap(fd, ref.size) as mapping:
+            mapping[: len(payload)] = payload
+        os.close(fd)
+        refs.append(ref)
+    directory.mkdir()
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    data_tmp, manifest_tmp = names.temp_name("model.safetensors"), names.temp_name(MANIFEST_NAME)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    dest = job.Destination(
+        dir_fd,
+        os.open(data_tmp, flags, 0o644, dir_fd=dir_fd),
+        os.open(manifest_tmp, flags, 0o644, dir_fd=dir_fd),
+        "model.safetensors",
+        data_tmp,
+        manifest_tmp,
+    )
+    return job.PersistJob(
+        id=1,
+        layout=layout,
+        segments=refs,
+        header=datafile.build_header(layout, {"format": "pt"}),
+        destination=dest,
+        tree={"d": [["a", {"T": "a"}], ["b", {"T": "b"}]]},
+        metadata={"step": 1},
+        save_info={},
+        peer=peer,
+    )
+
+
+def entry_of(persist: job.PersistJob, instance_id: str, peer: Peer = ROOT) -> journal.Entry:
+    dir_fd = persist.destination.dir_fd
+    path = journal.locate(dir_fd)
+    assert path is not None
+    st = os.fstat(dir_fd)
+    return journal.entry_for(persist, instance_id, peer, path, (st.st_dev, st.st_ino))
+
+
+@pytest.fixture
+def instance_id():  # type: ignore[no-untyped-def]
+    made = segment.new_instance_id()
+    yield made
+    for name in segment.list_names(made):
+        segment.unlink(name)
+
+
+def test_entries_round_trip_and_malformed_ones_are_refused(tmp_path: Path, instance_id) -> None:
+    persist = staged_job(tmp_path / "c", instance_id)
+    entry = entry_of(persist, instance_id)
+    assert journal.Entry.from_bytes(entry.to_bytes()) == entry
+    for bad in (b"", b"\xc1", b"\x80", entry.to_bytes()[:-3]):
+        with pytest.raises(journal.JournalError):
+            journal.Entry.from_bytes(bad)
+    persist.destination.close()
+
+
+def test_a_finished_job_is_recognised_and_needs_no_segments(tmp_path: Path, instance_id) -> None:
+    """A daemon killed after the commit marker but before dropping the entry: finishing it
+    again must succeed without the (already unlinked) segments and change nothing."""
+    persist = staged_job(tmp_path / "c", instance_id)
+    entry = entry_of(persist, instance_id)
+    assert job.run(persist).ok
+    manifest = (tmp_path / "c" / MANIFEST_NAME).read_bytes()
+    for name in segment.list_names(instance_id):
+        segment.unlink(name)
+    result = journal.recover(entry)
+    assert result.ok, result.message
+    assert (tmp_path / "c" / MANIFEST_NAME).read_bytes() == manifest
+    assert checkpoint.verify(tmp_path / "c") == []
+
+
+def test_a_job_whose_segments_are_gone_is_given_up_cleanly(tmp_path: Path, instance_id) -> None:
+    persist = staged_job(tmp_path / "c", instance_id)
+    entry = entry_of(persist, instance_id)
+    persist.destination.close()
+    for name in segment.list_names(instance_id):
+        segment.unlink(name)
+    result = journal.recover(entry)
+    assert not result.ok and "staged data of the job is gone" in result.message
+    assert os.listdir(tmp_path / "c") == []  # its temporary files were removed
+
+
+def test_paths_are_reopened_only_to_the_same_directory(tmp_path: Path, instance_id) -> None:
+    persist = staged_job(tmp_path / "c", instance_id)
+    entry = entry_of(persist, instance_id)
+    persist.destination.close()
+    real = tmp_path / "c"
+    real.rename(tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "moved", real)  # same path now leads there through a symlink
+    result = journal.recover(entry)
+    assert not result.ok and "without following a symlink" in result.message, result.message
+    real.unlink()
+    (tmp_path / "elsewhere").rename(real)  # same path, another directory
+    result = journal.recover(entry)
+    assert not result.ok and "no longer the directory" in result.message
+    assert os.listdir(real) == []
+
+
+def test_a_directory_its_user_can_no_longer_write_is_not_written(
+    tmp_path: Path, instance_id
+) -> None:
+    require_root("another uid")
+    nobody = Peer(1, NOBODY, NOBODY, frozenset({NOBODY}))
+    tmp_path.chmod(0o755)
+    persist = staged_job(tmp_path / "c", instance_id, peer=nobody)
+    os.chown(tmp_path / "c", NOBODY, NOBODY)
+    entry = entry_of(persist, instance_id, nobody)
+    persist.destination.close()
+    (tmp_path / "c").chmod(0o555)
+    result = journal.recover(entry)
+    assert not result.ok and "can no longer write" in result.message
+
+
+def test_the_journal_directory_must_be_ours_alone(tmp_path: Path) -> None:
+    require_root("chown")
+    loose = tmp_path / "loose.journal"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    journal.Journal(loose).prepare()
+    assert loose.stat().st_mode & 0o777 == 0o700
+    foreign = tmp_path / "foreign.journal"
+    foreign.mkdir()
+    os.chown(foreign, NOBODY, NOBODY)
+    with pytest.raises(journal.JournalError, match="not a directory owned by uid 0"):
+        journal.Journal(foreign).prepare()
+    os.symlink(loose, tmp_path / "link.journal")
+    with pytest.raises(journal.JournalError):
+        journal.Journal(tmp_path / "link.journal").prepare()
+
+
+def test_unusable_entries_are_dropped_on_load(tmp_path: Path, instance_id) -> None:
+    persist = staged_job(tmp_path / "c", instance_id)
+    entry = entry_of(persist, instance_id)
+    persist.destination.close()
+    store = journal.Journal(tmp_path / "j")
+    store.prepare()
+    store.record(entry, fsync=True)
+    (store.directory / "0123456789abcdef.9.job").write_bytes(b"garbage")
+    (store.directory / f"{instance_id}.7.job").write_bytes(entry.to_bytes())  # wrong name
+    (store.directory / f".{instance_id}.8.job.tmp").write_bytes(b"never acknowledged")
+    assert store.load() == [entry]
+    assert os.listdir(store.directory) == [entry.name]
+    store.remove(entry.name, fsync=True)
+    assert store.load() == []
+
+
+def test_reapers_hold_back_what_a_journal_owes(tmp_path: Path) -> None:
+    """A dead instance whose lock names a journal with its entries keeps every segment from
+    other reapers; the journal's owner reaps all but the segments it is finishing."""
+    dead = instance.InstanceLock.claim(journal=str(tmp_path / "j"))
+    owed = segment.create(dead.instance, 10)
+    stray = segment.create(dead.instance, 10)
+    os.close(dead.fd)  # the instance dies; its lock file stays
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / f"{dead.instance}.1.job").touch()
+    try:
+        report = instance.reap(only_uid=os.geteuid())
+        assert dead.instance in report.held
+        assert sorted(segment.list_names(dead.instance)) == sorted([owed.name, stray.name])
+        instance.reap(only_uid=os.geteuid(), keep={owed.name}, own_journal=str(tmp_path / "j"))
+        assert segment.list_names(dead.instance) == [owed.name]
+        assert os.path.exists(instance.lock_path(dead.instance))  # still names the journal
+        (tmp_path / "j" / f"{dead.instance}.1.job").unlink()
+        instance.reap(only_uid=os.geteuid())
+        assert segment.list_names(dead.instance) == []
+        assert not os.path.exists(instance.lock_path(dead.instance))
+    finally:
+        for name in segment.list_names(dead.instance):
+            segment.unlink(name)
+        if os.path.exists(instance.lock_path(dead.instance)):
+            os.unlink(instance.lock_path(dead.instance))

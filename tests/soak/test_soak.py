@@ -1,0 +1,85 @@
+"""Soak: 8 concurrent trainer processes saving through one daemon, structures changing now
+and then, tensors overwritten right after each save returns.
+
+Every checkpoint must verify and equal its source (each worker checks its own), and after
+a warm-up round has brought the daemon to its working size, a full round must leave its
+RSS within 10 % of what it was, and its descriptor and segment counts exactly where they
+were.
+
+CI runs ``SHMSTAGE_SOAK_SAVES`` saves per client (default 20, well under two minutes).
+The full size, 8 clients x 200 saves:
+
+    SHMSTAGE_SOAK_SAVES=200 .venv/bin/python -m pytest tests/soak -s
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness import RunningDaemon, start_daemon, wait_for
+
+from shmstage import segment
+
+CLIENTS = 8
+SAVES = int(os.environ.get("SHMSTAGE_SOAK_SAVES", "20"))
+WARMUP_SAVES = 8
+WORKER = Path(__file__).with_name("soak_worker.py")
+
+
+def round_of(daemon: RunningDaemon, root: Path, saves: int) -> float:
+    """Run CLIENTS workers to completion; returns the wall time."""
+    root.mkdir()
+    started = time.monotonic()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(daemon.socket), str(root), str(c), str(saves)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for c in range(CLIENTS)
+    ]
+    for worker in workers:
+        out, err = worker.communicate(timeout=1800)
+        assert worker.returncode == 0 and out.strip() == f"DONE {saves}", err[-3000:]
+    assert os.listdir(root) == [], "every checkpoint was verified and removed"
+    return time.monotonic() - started
+
+
+def settled(daemon: RunningDaemon, fds: int | None = None) -> None:
+    wait_for(lambda: daemon.segments() == [], 30, "the daemon's segments to go")
+    wait_for(lambda: segment.list_names(daemon.instance) == [], 30, "no segment in /dev/shm")
+    if fds is not None:
+        wait_for(lambda: daemon.fd_count() == fds, 30, f"{fds} daemon descriptors")
+
+
+def test_soak(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "d")
+    try:
+        fresh_rss, fresh_fds = daemon.rss_bytes(), daemon.fd_count()
+        round_of(daemon, tmp_path / "warmup", WARMUP_SAVES)
+        settled(daemon, fresh_fds)
+        baseline_rss = daemon.rss_bytes()
+        elapsed = round_of(daemon, tmp_path / "soak", SAVES)
+        settled(daemon, fresh_fds)
+        rss = daemon.rss_bytes()
+        growth = (rss - baseline_rss) / baseline_rss
+        report = (
+            f"soak: {CLIENTS} clients x {SAVES} saves in {elapsed:.1f} s "
+            f"({CLIENTS * SAVES / elapsed:.1f} saves/s); daemon RSS fresh {fresh_rss >> 20} "
+            f"MiB, after warm-up {baseline_rss / 2**20:.1f} MiB, after soak {rss / 2**20:.1f} "
+            f"MiB ({growth:+.1%}); fds {fresh_fds} -> {daemon.fd_count()}; segments 0 -> "
+            f"{len(daemon.segments())}"
+        )
+        print("\n" + report)
+        (tmp_path.parent / "soak-report.txt").write_text(report + "\n")
+        assert growth < 0.10, report
+        assert "Traceback" not in daemon.log()
+        assert not re.search(r"job \d+ failed", daemon.log()), "a save failed"
+    finally:
+        assert daemon.stop() == 0
