@@ -13,13 +13,14 @@ console script or ``python -m shmstage_client.bench``, both of which guard ``mai
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .peers import METHOD_NAMES, METHODS, BenchContext, MethodResult, measure
+from .peers import HUNG_THREADS, METHOD_NAMES, METHODS, BenchContext, MethodResult, measure
 from .report import build_report, format_table, write_json, write_png
 from .synthetic import (
     build_state_dict,
@@ -94,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measured saves per method after the first (median; default 3)",
     )
     p.add_argument(
+        "--save-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one save may take before its method is reported as hung (default 300)",
+    )
+    p.add_argument(
         "--socket",
         default=None,
         help="socket of a running shmstaged (default: start one in a temp dir)",
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
         for cls in METHODS:
             if cls.name in args.methods:
                 log(f"{cls.name}: {cls.description}")
-                results.append(measure(cls(ctx), state_dict, args.repeats, log))
+                results.append(measure(cls(ctx), state_dict, args.repeats, log, args.save_timeout))
     finally:
         ctx.close()
         if own_dir:
@@ -193,4 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"JSON written to {args.json}")
     if args.png:
         print(write_png(report, args.png))
+    if HUNG_THREADS:  # a hung peer's threads would block interpreter exit forever
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -658,11 +659,49 @@ def _describe(e: BaseException) -> str:
     return text if len(text) <= 600 else text[:600] + "…"
 
 
+class SaveHung(Exception):
+    """A save produced no result in time; the method is abandoned, the bench goes on."""
+
+
+#: Set once any save had to be abandoned: the process must then exit without joining it.
+HUNG_THREADS: list[threading.Thread] = []
+
+
+def _bounded(
+    fn: Callable[..., Timing], state_dict: StateDict, directory: Path, timeout: float | None
+) -> Timing:
+    """Run one save with a deadline, so a peer that hangs becomes a row, not a stuck run.
+
+    Peers do hang: at 10,000 tensors nvidia-resiliency-ext's queue feeder thread dies with
+    EMFILE and its completion wait never returns.
+    """
+    if timeout is None:
+        return fn(state_dict, directory)
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append(fn(state_dict, directory))
+        except BaseException as exc:  # handed to the caller's thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, name="bench-save", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        HUNG_THREADS.append(thread)
+        raise SaveHung(f"no result after {timeout:.0f} s: the method hung (abandoned)")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 def measure(
     method: Method,
     state_dict: StateDict,
     repeats: int,
     log: Callable[[str], None] = lambda s: None,
+    timeout: float | None = None,
 ) -> MethodResult:
     """Run one method: a first save, then ``repeats`` more whose median is the result.
 
@@ -672,6 +711,7 @@ def measure(
     once durable, so disk use stays at one checkpoint per method.
     """
     res = MethodResult(method.name, method.kind, method.description)
+    abandoned = False
     try:
         try:
             method.setup(state_dict)
@@ -683,7 +723,11 @@ def measure(
             directory = method.ctx.root / f"{method.name}-{i}"
             shutil.rmtree(directory, ignore_errors=True)
             try:
-                timing = method.run_once(state_dict, directory)
+                timing = _bounded(method.run_once, state_dict, directory, timeout)
+            except SaveHung as e:
+                res.status, res.error, abandoned = "error", f"save {i + 1}: {e}", True
+                log(f"{method.name}: {res.error}")
+                break
             except Exception as e:
                 res.status = "error"
                 res.error = f"save {i + 1}: {_describe(e)}"
@@ -707,6 +751,8 @@ def measure(
         log(f"{method.name}: {res.error}")
     finally:
         try:
+            if abandoned:
+                raise RuntimeError("not closed: a save is still stuck inside it")
             method.close()
         except Exception as e:
             res.note = (res.note + "; " if res.note else "") + f"close failed: {_describe(e)}"
