@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the benchmark on a CUDA machine straight from the source tree.
-# Usage: scripts/gpu-check.sh OUTDIR [tests|bench-8g|bench-1g]...
+# Usage: scripts/gpu-check.sh OUTDIR [tests|bench-8g|bench-1g|dcp-2gpu]...
 # Wheels for packages the machine lacks may be put in .whl/ (installed to /tmp/site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +23,11 @@ for what in "$@"; do
              --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 \
              --json "$out/bench-8g.json" --png "$out/bench-8g.png" -q 2>&1 | tee "$out/bench-8g.txt" ;;
     bench-1g) python3 -m shmstage_client.bench --total-bytes 1GiB --tensors 10000 \
-             --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 \
+             --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 --save-timeout 90 \
              --json "$out/bench-1g.json" --png "$out/bench-1g.png" -q 2>&1 | tee "$out/bench-1g.txt" ;;
+    dcp-2gpu) python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+             scripts/dcp_gpu_bench.py --start-daemon --dir /var/tmp/dcp-bench \
+             --json "$out/dcp-2gpu.json" 2>&1 | tee "$out/dcp-2gpu.txt" ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
 done
