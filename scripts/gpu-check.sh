@@ -23,7 +23,7 @@ for what in "$@"; do
              --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 \
              --json "$out/bench-8g.json" --png "$out/bench-8g.png" -q 2>&1 | tee "$out/bench-8g.txt" ;;
     bench-1g) python3 -m shmstage_client.bench --total-bytes 1GiB --tensors 10000 \
-             --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 --save-timeout 90 --save-timeout 90 \
+             --min-tensor-bytes 4KiB --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 --save-timeout 90 \
              --json "$out/bench-1g.json" --png "$out/bench-1g.png" -q 2>&1 | tee "$out/bench-1g.txt" ;;
     dcp-2gpu) python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
              scripts/dcp_gpu_bench.py --start-daemon --dir /var/tmp/dcp-bench \
