@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,14 @@ def test_a_symlinked_checkpoint_directory_is_written_where_it_leads(daemon, ckpt
         stager.save(make_state(1), ckpt / "link" / "step").wait(60)
     assert_checkpoint_equals(ckpt / "real" / "step", make_state(1))
     assert os.path.islink(ckpt / "link")
+
+
+def test_the_daemon_runs_with_its_hard_descriptor_limit(daemons) -> None:
+    """Every client, segment hand-over and job holds descriptors: a soft limit of 1024
+    (the usual default) would let a few busy clients starve all others with EMFILE."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("prlimit (util-linux) is not installed")
+    started = daemons(prefix=["prlimit", "--nofile=1024:8192"])
+    limits = Path(f"/proc/{started.proc.pid}/limits").read_text()
+    soft, hard = next(line for line in limits.splitlines() if "open files" in line).split()[3:5]
+    assert (soft, hard) == ("8192", "8192"), limits
