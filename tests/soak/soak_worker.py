@@ -26,7 +26,7 @@ def state_for(client: int, step: int) -> dict:
     structure = (step // CHANGE_EVERY) % 3
     gen = torch.Generator().manual_seed(client * 100_003 + step)
     if structure == 0:
-        return {"w": torch.randn(256, 256, generator=gen), "step": step}
+        return {"w": torch.randn(1024, 512, generator=gen), "step": step}  # 2 MiB
     if structure == 1:
         return {
             "model": {
