@@ -185,8 +185,13 @@ def _raise_fd_limit() -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:  # as root the hard limit itself may rise, up to the kernel's nr_open
+        with open("/proc/sys/fs/nr_open") as f:
+            ceiling = min(int(f.read()), 1 << 20)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, ceiling))
+    except (OSError, ValueError):
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def main(argv: list[str] | None = None) -> int:

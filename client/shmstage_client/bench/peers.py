@@ -623,10 +623,12 @@ METHODS: list[type[Method]] = [
     DcpSave,
     DcpAsyncSave,
     DcpAsyncDefaultStager,
-    NvrxShmCached,
-    NvrxTorchAsync,
+    # shmstage before nvidia-resiliency-ext: at 10,000 tensors nvrx leaks descriptors and
+    # hangs, and whatever runs after it in this process inherits an exhausted fd table.
     ShmstageFirst,
     ShmstageSteady,
+    NvrxShmCached,
+    NvrxTorchAsync,
 ]
 METHOD_NAMES = [m.name for m in METHODS]
 
