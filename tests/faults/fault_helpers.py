@@ -11,13 +11,16 @@ import textwrap
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from harness import RunningDaemon
 from safetensors import safe_open
 
 from shmstage import checkpoint, instance, segment
+
+if TYPE_CHECKING:  # trainer.py imports this module without the tests' harness on its path
+    from harness import RunningDaemon
 
 TRAINER = Path(__file__).with_name("trainer.py")
 

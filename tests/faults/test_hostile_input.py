@@ -229,7 +229,7 @@ def test_descriptors_on_other_operations_are_closed_not_leaked(daemon) -> None:
     early.send_raw(early.conn.send("status", 2, {}))
     frame = early.frame()
     assert frame.body["code"] == "bad_request" and frame.body["fatal"], frame.body
-    with pytest.raises(EOFError):
+    with pytest.raises((EOFError, ConnectionResetError)):  # reset: our status went unread
         early.frame()
     early.close()
     wait_for(lambda: daemon.fd_count() == baseline, 10, "the daemon's fds back to baseline")
