@@ -331,7 +331,7 @@ class Config:
     metrics_port: int | None = None
     shm_budget: int | str = "80%"
     max_bytes: int | None = None
-    max_segments: int = 16384
+    max_segments: int = 65536
     max_layouts: int = 16
     max_jobs: int = 4
     default_slots: int = 2
