@@ -46,6 +46,22 @@ def refusal(code: str, message: str) -> DaemonRefused:
     return DaemonRefused(code, message)
 
 
+def _truncated_fds_message(received: int) -> str:
+    """The kernel drops descriptors it cannot install: say so, not 'protocol error'."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = -1
+    return (
+        f"this process ran out of file descriptors while receiving shared-memory segments "
+        f"from shmstaged (got {received}; {in_use} open, RLIMIT_NOFILE {soft}): raise the "
+        "limit (ulimit -n) or find what leaks descriptors in this process"
+    )
+
+
 class DaemonConnection:
     def __init__(
         self,
@@ -109,11 +125,16 @@ class DaemonConnection:
         try:
             while True:
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(
+                    data, fds, flags, _addr = socket.recv_fds(
                         self._sock, _RECV_BYTES, 253, socket.MSG_CMSG_CLOEXEC
                     )
                 except TimeoutError:
                     continue
+                if flags & socket.MSG_CTRUNC:
+                    for fd in fds:
+                        os.close(fd)
+                    error = DaemonLost(_truncated_fds_message(len(fds)))
+                    break
                 self._conn.receive_data(data, fds)
                 try:
                     while (frame := self._conn.next_frame()) is not None:
@@ -201,9 +222,11 @@ class DaemonConnection:
         waiter: queue.Queue[Frame | BaseException] = queue.Queue()
         with self._lock:
             if self._lost is not None:
+                # A refusal the daemon sent (not admitted, ...) may arrive before our first
+                # request goes out: it, not a generic "lost", is what the caller must see.
                 raise (
                     self._lost
-                    if isinstance(self._lost, DaemonLost)
+                    if isinstance(self._lost, DaemonLost | DaemonRefused)
                     else DaemonLost(str(self._lost))
                 )
             self._waiting[request_id] = waiter
@@ -217,6 +240,8 @@ class DaemonConnection:
                     self._sock.sendall(data)
             except OSError as exc:
                 self._waiting.pop(request_id, None)
+                if isinstance(self._lost, DaemonRefused):
+                    raise self._lost from None
                 if exc.errno in (errno.EPIPE, errno.ECONNRESET) or isinstance(exc, TimeoutError):
                     raise DaemonLost(f"sending {op} to shmstaged failed: {exc}") from None
                 raise

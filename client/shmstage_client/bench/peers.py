@@ -619,14 +619,15 @@ class ShmstageSteady(Method):
 METHODS: list[type[Method]] = [
     RawCopy,
     RawWrite,
+    # shmstage before the peers: at 10,000 tensors some peers leak descriptors (DCP's
+    # shared-memory stager keeps one per tensor; nvrx's queue feeder dies with EMFILE and
+    # hangs), and whatever runs after them in this process inherits an exhausted fd table.
+    ShmstageFirst,
+    ShmstageSteady,
     TorchSave,
     DcpSave,
     DcpAsyncSave,
     DcpAsyncDefaultStager,
-    # shmstage before nvidia-resiliency-ext: at 10,000 tensors nvrx leaks descriptors and
-    # hangs, and whatever runs after it in this process inherits an exhausted fd table.
-    ShmstageFirst,
-    ShmstageSteady,
     NvrxShmCached,
     NvrxTorchAsync,
 ]
