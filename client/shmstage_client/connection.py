@@ -36,6 +36,7 @@ log = logging.getLogger("shmstage.client")
 _RECV_BYTES = 256 * 1024
 #: Socket timeout: bounds a send to a daemon that stopped reading; the reader just retries.
 _IO_TIMEOUT = 30.0
+_FD_POLL_SECONDS = 0.5
 
 
 def refusal(code: str, message: str) -> DaemonRefused:
@@ -75,6 +76,11 @@ class DaemonConnection:
         self._conn = Connection(Role.CLIENT)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _waiting, _jobs, _lost, and sending
+        # Descriptors handed to a waiter but not yet taken by it. The reader receives no
+        # more while any are outstanding, so a layout of 20,000 segments never has more
+        # than two batches of 253 open in this process (the rest wait in the socket).
+        self._untaken_fds = 0
+        self._fds_taken = threading.Condition(threading.Lock())
         self._waiting: dict[int, queue.Queue[Frame | BaseException]] = {}
         self._jobs: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self._lost: BaseException | None = None
@@ -124,6 +130,7 @@ class DaemonConnection:
         error: BaseException
         try:
             while True:
+                self._wait_until_fds_taken()
                 try:
                     data, fds, flags, _addr = socket.recv_fds(
                         self._sock, _RECV_BYTES, 253, socket.MSG_CMSG_CLOEXEC
@@ -184,7 +191,21 @@ class DaemonConnection:
             if frame.op == "error":
                 log.warning("shmstaged: %s", frame.body.get("message"))
             return
+        if frame.fds:
+            with self._fds_taken:
+                self._untaken_fds += len(frame.fds)
         waiter.put(frame)
+
+    def _wait_until_fds_taken(self) -> None:
+        with self._fds_taken:
+            while self._untaken_fds and not self._closing:
+                self._fds_taken.wait(_FD_POLL_SECONDS)
+
+    def fds_taken(self, count: int) -> None:
+        if count:
+            with self._fds_taken:
+                self._untaken_fds -= count
+                self._fds_taken.notify_all()
 
     def _job_future(self, job: int) -> concurrent.futures.Future[dict[str, Any]]:
         with self._lock:
@@ -295,6 +316,7 @@ class RequestHandle:
             ) from None
         if isinstance(item, BaseException):
             raise item
+        self.connection.fds_taken(len(item.fds))
         if item.op == "error":
             raise refusal(item.body["code"], item.body["message"])
         return item
@@ -310,3 +332,4 @@ class RequestHandle:
             if isinstance(item, Frame):
                 for fd in item.fds:
                     os.close(fd)
+                self.connection.fds_taken(len(item.fds))

@@ -369,25 +369,29 @@ class Stager:
         if self.slots is not None:
             request["slots"] = self.slots
         handle = self._connection.start("register", request)
-        fds: list[int] = []
+        mapped: MappedLayout | None = None
         try:
             reply = handle.next(self.request_timeout)
-            layout_id, total = reply.body["layout"], reply.body["segments"]
-            slots = reply.body["slots"]
-            while len(fds) < total:
+            mapped = MappedLayout.receiving(reply.body["layout"], layout, reply.body["slots"])
+            if reply.body["segments"] != mapped.expected_segments:
+                raise DaemonLost(
+                    f"daemon announced {reply.body['segments']} segments for "
+                    f"{mapped.expected_segments} tensors x slots"
+                )
+            while mapped.received_segments < mapped.expected_segments:
                 frame = handle.next(self.request_timeout)
-                if frame.op != "segment_fds" or frame.body["first"] != len(fds):
+                if frame.op != "segment_fds" or frame.body["first"] != mapped.received_segments:
                     for fd in frame.fds:
                         os.close(fd)
                     raise DaemonLost(f"unexpected {frame.op} while receiving segments")
-                fds.extend(frame.fds)
+                mapped.add_segments(frame.fds)  # map and close each batch as it arrives
+            self._layout = mapped.complete(pin=pin)
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            if mapped is not None:
+                mapped.close()
             raise
         finally:
             handle.finish()
-        self._layout = MappedLayout.from_fds(layout_id, layout, slots, fds, pin=pin)
         return self._layout
 
     def _acquire(self, mapped: MappedLayout) -> tuple[int, float]:

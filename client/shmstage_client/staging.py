@@ -12,8 +12,6 @@ queued on other streams cannot delay the save.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import warnings
 from collections.abc import Sequence
@@ -36,7 +34,63 @@ class MappedLayout:
     structure_key: str
     slots: list[list[torch.Tensor]] = field(default_factory=list)
     pinned: PinnedRanges | None = None
-    _maps: list[mmap.mmap] = field(default_factory=list)
+    _maps: list[segment.Mapping] = field(default_factory=list)
+    _views: list[torch.Tensor] = field(default_factory=list)
+    _slot_count: int = 0
+
+    @classmethod
+    def receiving(cls, layout_id: int, layout: Layout, slot_count: int) -> MappedLayout:
+        """An empty layout that maps segments batch by batch as the daemon sends them.
+
+        Descriptors are closed as soon as each batch is mapped: with 10,000 tensors and two
+        slots, holding all 20,000 at once would exceed a typical RLIMIT_NOFILE.
+        """
+        mapped = cls(layout_id, layout, layout.structure_key)
+        mapped._slot_count = slot_count
+        return mapped
+
+    @property
+    def expected_segments(self) -> int:
+        return self._slot_count * len(self.layout.tensors)
+
+    @property
+    def received_segments(self) -> int:
+        return len(self._views)
+
+    def add_segments(self, fds: Sequence[int]) -> None:
+        """Map the next batch (slot-major order); always closes every descriptor given."""
+        try:
+            if len(self._views) + len(fds) > self.expected_segments:
+                raise ValueError(
+                    f"daemon sent more than the {self.expected_segments} segments announced"
+                )
+            for fd in fds:
+                spec = self.layout.tensors[len(self._views) % len(self.layout.tensors)]
+                mapping = segment.map_fd(fd, segment.mapping_size(spec.nbytes), writable=True)
+                self._maps.append(mapping)
+                self._views.append(_typed_view(mapping, spec.nbytes, spec.dtype, spec.shape))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def complete(self, *, pin: bool = False) -> MappedLayout:
+        """Check every segment arrived, split them into slots, optionally pin them.
+
+        With ``pin``, every mapping is registered with CUDA (once, here), so later
+        device-to-host copies into it run at pinned bandwidth.
+        """
+        if len(self._views) != self.expected_segments:
+            raise ValueError(
+                f"daemon sent {len(self._views)} segments, expected {self.expected_segments}"
+            )
+        if pin:
+            self.pinned = try_pin([_raw(view) for view in self._views])
+        per_slot = len(self.layout.tensors)
+        self.slots = [
+            self._views[i * per_slot : (i + 1) * per_slot] for i in range(self._slot_count)
+        ]
+        self._views = []
+        return self
 
     @classmethod
     def from_fds(
@@ -48,34 +102,14 @@ class MappedLayout:
         *,
         pin: bool = False,
     ) -> MappedLayout:
-        """Map segment descriptors (slot-major order) and close them: mappings outlive fds.
-
-        With ``pin``, every mapping is also registered with CUDA (once, here), so later
-        device-to-host copies into it run at pinned bandwidth.
-        """
-        mapped = cls(layout_id, layout, layout.structure_key)
-        expected = slot_count * len(layout.tensors)
-        if len(fds) != expected:
-            raise ValueError(f"daemon sent {len(fds)} segments, expected {expected}")
-        views: list[torch.Tensor] = []
+        """Map all descriptors at once (closing them); see ``receiving`` for large layouts."""
+        mapped = cls.receiving(layout_id, layout, slot_count)
         try:
-            for index, fd in enumerate(fds):
-                spec = layout.tensors[index % len(layout.tensors)]
-                mapping = segment.map_fd(fd, segment.mapping_size(spec.nbytes), writable=True)
-                mapped._maps.append(mapping)
-                views.append(_typed_view(mapping, spec.nbytes, spec.dtype, spec.shape))
-            if pin:
-                mapped.pinned = try_pin([_raw(view) for view in views])
+            mapped.add_segments(fds)
+            return mapped.complete(pin=pin)
         except BaseException:
-            views.clear()
             mapped.close()
             raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-        per_slot = len(layout.tensors)
-        mapped.slots = [views[i * per_slot : (i + 1) * per_slot] for i in range(slot_count)]
-        return mapped
 
     def close(self) -> None:
         """Unpin, then unmap. Views handed out earlier must be gone, or GC unmaps later."""
@@ -83,21 +117,21 @@ class MappedLayout:
             self.pinned.release()  # CUDA must forget a range before it is unmapped
             self.pinned = None
         self.slots.clear()
+        self._views.clear()
         for mapping in self._maps:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+            mapping.close()
         self._maps.clear()
 
 
 def _typed_view(
-    mapping: mmap.mmap, nbytes: int, dtype: str, shape: tuple[int, ...]
+    mapping: segment.Mapping, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
     torch_dtype = FROM_SAFETENSORS[dtype]
     if nbytes == 0:
         return torch.empty(shape, dtype=torch_dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        raw = torch.frombuffer(mapping.buffer, dtype=torch.uint8, count=nbytes)
     return raw.view(torch_dtype).view(shape)
 
 

@@ -336,3 +336,22 @@ def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def test_many_segments_register_under_a_small_descriptor_limit(daemon, ckpt: Path) -> None:
+    """Brief bug 7: 1,200 segments arrive in batches of 253, are closed once mapped, and
+    the mappings hold no descriptor: RLIMIT_NOFILE 640 suffices for 600 tensors x 2 slots."""
+    code = """
+import resource, sys, torch
+resource.setrlimit(resource.RLIMIT_NOFILE, (640, 640))
+from shmstage_client import Stager, load
+state = {f"t{i}": torch.full((3,), float(i)) for i in range(600)}
+with Stager(sys.argv[1], slots=2) as st:
+    st.save(state, sys.argv[2]).wait(120)
+back = load(sys.argv[2])
+assert all(torch.equal(back[k], v) for k, v in state.items())
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
+                         capture_output=True, text=True, timeout=180)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

