@@ -8,12 +8,12 @@ written, so a reader can prove that what it loads is what was staged.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from shmstage.document import parse, render
 from shmstage.layout import Layout
 
 MANIFEST_NAME: Final = "shmstage-manifest.json"
@@ -63,21 +63,18 @@ class Manifest:
             "metadata": self.metadata,
             "save": self.save,
         }
-        return json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False).encode()
+        return render(document)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"{MANIFEST_NAME} is not valid JSON: {exc}") from exc
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
-            raise ManifestError(f"{MANIFEST_NAME} is not a shmstage manifest")
-        if document.get("version") != VERSION:
-            raise ManifestError(
-                f"{MANIFEST_NAME} has format version {document.get('version')!r}; this "
-                f"shmstage reads version {VERSION} — upgrade shmstage"
-            )
+        document = parse(
+            data,
+            fmt=FORMAT,
+            version=VERSION,
+            where=MANIFEST_NAME,
+            kind="shmstage manifest",
+            error=ManifestError,
+        )
         try:
             files = {entry["name"]: int(entry["bytes"]) for entry in document["files"]}
             tensors = {

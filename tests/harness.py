@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from shmstage import segment
 
 
@@ -153,3 +155,35 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout} s for {what}")
         time.sleep(0.02)
+
+
+def assert_same(
+    actual: object, expected: object, where: str = "state", *, key_order: bool = True
+) -> None:
+    """Bit-exact equality of nested structures, tensors compared byte for byte.
+
+    ``key_order=False`` compares dict keys as a set of strings (a DCP load rebuilds dicts).
+    """
+    assert type(actual) is type(expected) or (
+        isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
+    ), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        a = actual.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        e = expected.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, e), f"{where}: bytes differ"
+    elif isinstance(expected, dict):
+        if key_order:
+            assert list(actual) == list(expected), where
+        else:
+            assert sorted(map(str, actual)) == sorted(map(str, expected)), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}[{key!r}]", key_order=key_order)
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{where}[{i}]", key_order=key_order)
+    elif isinstance(expected, float) and expected != expected:
+        assert actual != actual, where
+    else:
+        assert actual == expected, where

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -26,7 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for harness
 import torch.distributed.checkpoint as dcp
+from harness import assert_same
 from shmstage_client.dcp import ShmStageReader, ShmStageWriter
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -110,26 +114,6 @@ class Trainer:
         self.steps = state["extra"]["step"]
 
 
-def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
-    """Bit-exact equality of nested state, tensors compared byte for byte."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual)}"
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        a = actual.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        e = expected.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, e), f"{where}: bytes differ"
-    elif isinstance(expected, dict):
-        assert sorted(map(str, actual)) == sorted(map(str, expected)), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
 def tensors_of(state: dict[str, Any]) -> dict[str, Any]:
     return {"model": state["model"], "optim": {"state": state["optim"]["state"]}}
 
@@ -166,7 +150,7 @@ class Rank:
             expected = torch.load(self.work / f"expected-{name}.pt", weights_only=False)
             if tensors_only:
                 full, expected = tensors_of(full), tensors_of(expected)
-            assert_same(full, expected, name)
+            assert_same(full, expected, name, key_order=False)
 
     def signal(self, name: str) -> None:
         (self.work / f"{name}-{self.rank}").touch()

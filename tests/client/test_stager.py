@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import assert_same
 from safetensors import safe_open
 from shmstage_client import (
     CheckpointExists,
@@ -46,30 +47,6 @@ def train_state(seed: int = 0) -> dict:
             "flags": [True, False],
         },
     }
-
-
-def assert_same(actual: object, expected: object, where: str = "state") -> None:
-    """Bit-exact equality of nested structures, tensors compared byte for byte."""
-    assert type(actual) is type(expected) or (
-        isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
-    ), f"{where}: {type(actual)} != {type(expected)}"
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        a = actual.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        e = expected.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, e), f"{where}: bytes differ"
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(a, e, f"{where}[{i}]")
-    elif isinstance(expected, float) and expected != expected:
-        assert actual != actual, where
-    else:
-        assert actual == expected, where
 
 
 def clone(state: object) -> object:

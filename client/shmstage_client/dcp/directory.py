@@ -36,6 +36,7 @@ from typing import Any, Final
 
 from shmstage import names
 from shmstage.checkpoint import Checkpoint, CheckpointError, checksum
+from shmstage.document import parse, render
 from shmstage.manifest import MANIFEST_NAME
 from shmstage_client.errors import CheckpointExists, SaveError
 
@@ -157,22 +158,19 @@ class Marker:
             },
             "planner_data": self.planner_data,
         }
-        return json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False).encode()
+        return render(document)
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = MARKER_NAME) -> Marker:
         """Parse and check a marker; every file it names must be one a rank contributes."""
-        try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{where}: not valid JSON: {exc}") from exc
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
-            raise CheckpointError(f"{where}: not a shmstage DCP commit marker")
-        if document.get("version") != VERSION:
-            raise CheckpointError(
-                f"{where}: format version {document.get('version')!r}; this shmstage reads "
-                f"version {VERSION} — upgrade shmstage"
-            )
+        document = parse(
+            data,
+            fmt=FORMAT,
+            version=VERSION,
+            where=where,
+            kind="shmstage DCP commit marker",
+            error=CheckpointError,
+        )
         try:
             world_size = int(document["world_size"])
             ranks = tuple(
