@@ -36,7 +36,7 @@ def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> tuple[Any, list[tuple
         if len(path) > MAX_DEPTH:
             raise TreeError(f"{_show(path)}: nesting deeper than {MAX_DEPTH} levels")
         if is_tensor(node):
-            key = ".".join(str(part) for part in path) if path else "tensor"
+            key = ".".join(map(str, path)) if path else "tensor"
             if key in owners:
                 raise TreeError(
                     f"{_show(path)} and {_show(owners[key])} both flatten to key {key!r}; "

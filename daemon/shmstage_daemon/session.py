@@ -306,9 +306,7 @@ class Session:
             staged = self.store.get(self.id, body["layout"])
             slot = self.store.slot(staged, body["slot"])
             self._check_destination(destination)
-            header = datafile.build_header(
-                staged.layout, _string_map(body.get("file_metadata", {}), "file_metadata")
-            )
+            header = staged.header(_string_map(body.get("file_metadata", {}), "file_metadata"))
             metadata = body.get("metadata", {})
             if len(metadata) > MAX_METADATA_ENTRIES:
                 raise RequestError(ErrorCode.BAD_REQUEST, "metadata has too many entries")

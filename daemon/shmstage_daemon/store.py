@@ -12,6 +12,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from shmstage import datafile
 from shmstage.layout import Layout
 from shmstage.protocol import ErrorCode
 from shmstage.segment import SegmentRef
@@ -58,6 +59,18 @@ class StagedLayout:
     bytes_reserved: int
     released: bool = False
     waiters: deque[asyncio.Future[Slot]] = field(default_factory=deque)
+    #: safetensors headers already built for this layout, by file metadata: with 10,000
+    #: tensors building one costs tens of milliseconds that every commit would repeat.
+    headers: dict[tuple[tuple[str, str], ...], bytes] = field(default_factory=dict)
+
+    def header(self, file_metadata: dict[str, str]) -> bytes:
+        key = tuple(sorted(file_metadata.items()))
+        cached = self.headers.get(key)
+        if cached is None:
+            if len(self.headers) >= 4:  # metadata that changes every save: do not hoard
+                self.headers.clear()
+            cached = self.headers[key] = datafile.build_header(self.layout, file_metadata)
+        return cached
 
     @property
     def segment_count(self) -> int:
