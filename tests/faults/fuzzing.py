@@ -15,6 +15,7 @@ import contextlib
 import os
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,11 @@ from shmstage.protocol import Connection, ProtocolError, Role
 ANSWER_TIMEOUT_S: Final = 10.0
 #: Descriptors of every kind a hostile peer might attach.
 FD_KINDS: Final = ("pipe", "devnull", "dir", "socket", "memfd", "file")
+#: Placeholders the generators put in a frame, filled in from this session's answers when
+#: the frame is sent: hypothesis draws frames before the daemon hands out any ids.
+LAYOUT, SLOT, TREE, COMMIT_FDS = "$layout", "$slot", "$tree", "$commit"
+DATA_TMP: Final = ".model.safetensors.0123456789abcdef.shmstage-tmp"
+MANIFEST_TMP: Final = ".shmstage-manifest.json.0123456789abcdef.shmstage-tmp"
 
 
 class DaemonSilent(AssertionError):
@@ -41,7 +47,13 @@ def encode(message: Any) -> bytes:
 def open_fds(kinds: Sequence[str], scratch: Path) -> list[int]:
     fds: list[int] = []
     for kind in kinds:
-        if kind == "pipe":
+        if kind == COMMIT_FDS:  # what a real client passes: a fresh directory, two temporaries
+            directory = Path(tempfile.mkdtemp(dir=scratch))
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            fds.append(dir_fd)
+            fds += [os.open(n, flags, 0o644, dir_fd=dir_fd) for n in (DATA_TMP, MANIFEST_TMP)]
+        elif kind == "pipe":
             r, w = os.pipe()
             fds.append(r)
             os.close(w)
@@ -70,6 +82,13 @@ class FuzzConnection:
         self.frames_sent = 0
         self.replies = 0
         self._framing = bytearray()  # what we sent, cut at frame boundaries as the daemon would
+        self.layout: int = 0  # the last layout the daemon registered for us, and its keys
+        self.keys: list[str] = []
+        self.slot: int = 0  # the last slot it granted us
+        self._registering: dict[int, list[str]] = {}
+        #: After a hostile frame the daemon's framing and ours may differ (a truncated frame
+        #: swallows the next one): from then on only the final probe asks for an answer.
+        self.tainted = False
 
     def send(self, data: bytes, fds: Sequence[int] = ()) -> bool:
         """Send one frame's bytes; False once the daemon has hung up on us."""
@@ -104,6 +123,64 @@ class FuzzConnection:
     def inside_a_frame(self) -> bool:
         return bool(self._framing)
 
+    def fill_in(self, value: Any) -> Any:
+        """Replace the placeholders with what this session was given."""
+        if value == LAYOUT:
+            return self.layout
+        if value == SLOT:
+            return self.slot
+        if value == TREE:
+            return {"d": [[key, {"T": key}] for key in self.keys]}
+        if isinstance(value, dict):
+            return {k: self.fill_in(v) for k, v in value.items()}
+        return value
+
+    def hostile(self, data: bytes, fds: Sequence[int]) -> bool:
+        self.tainted = True
+        return self.send(data, fds)
+
+    def request(self, message: dict[str, Any], fds: Sequence[int], *, answer: bool) -> bool:
+        """Send one generated message; with ``answer``, wait for the reply to its id (or the
+        daemon hanging up), so later frames can use what it granted. False once closed."""
+        message = self.fill_in(message)
+        request_id = message.get("id")
+        if message.get("op") == "register" and isinstance(request_id, int):
+            tensors = message.get("tensors")
+            keys = [t[0] for t in tensors if isinstance(t, list) and t] if isinstance(
+                tensors, list
+            ) else []
+            self._registering[request_id] = keys
+        try:
+            data = encode(message)
+        except (OverflowError, TypeError, ValueError):
+            for fd in fds:
+                os.close(fd)
+            return True  # not encodable: nothing was sent
+        if not self.send(data, fds):
+            return False
+        if answer and not self.tainted and isinstance(message.get("id"), int):
+            self._await(message["id"])
+        return not self.closed_by_daemon
+
+    def _await(self, request_id: int) -> None:
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while not self.closed_by_daemon:
+            for frame in self._drain():
+                if frame.id == request_id and frame.op != "segment_fds":
+                    return
+            if time.monotonic() > deadline:
+                raise DaemonSilent(f"no answer to request {request_id} in {ANSWER_TIMEOUT_S} s")
+            self._receive()
+
+    def _receive(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 253)
+        except TimeoutError:
+            raise DaemonSilent("the daemon neither answered nor closed the connection") from None
+        except ConnectionResetError:
+            data, fds = b"", []
+        self._feed(data, fds)
+
     def probe(self, request_id: int) -> None:
         """Prove the daemon is alive for us: a status answer, or an orderly close."""
         if self.inside_a_frame:
@@ -119,15 +196,7 @@ class FuzzConnection:
                     return
             if time.monotonic() > deadline:
                 raise DaemonSilent(f"no answer to a status probe within {ANSWER_TIMEOUT_S} s")
-            try:
-                data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 253)
-            except TimeoutError:
-                raise DaemonSilent(
-                    "the daemon neither answered nor closed the connection"
-                ) from None
-            except ConnectionResetError:
-                data, fds = b"", []
-            self._feed(data, fds)
+            self._receive()
 
     def _feed(self, data: bytes, fds: list[int]) -> None:
         if not data and not fds:
@@ -152,6 +221,11 @@ class FuzzConnection:
             for fd in frame.fds:
                 os.close(fd)
             self.replies += 1
+            if frame.op == "registered":
+                self.layout = frame.body["layout"]
+                self.keys = self._registering.get(frame.id, [])
+            elif frame.op == "acquired":
+                self.slot = frame.body["slot"]
             frames.append(frame)
 
     def close(self) -> None:

@@ -32,9 +32,20 @@ from typing import Any
 import pytest
 import torch
 from fault_helpers import assert_checkpoint_equals, make_state
-from fuzzing import FD_KINDS, FuzzConnection, encode, open_fds
+from fuzzing import (
+    COMMIT_FDS,
+    DATA_TMP,
+    FD_KINDS,
+    LAYOUT,
+    MANIFEST_TMP,
+    SLOT,
+    TREE,
+    FuzzConnection,
+    encode,
+    open_fds,
+)
 from harness import wait_for
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from shmstage_client import Stager
 
@@ -45,8 +56,6 @@ HAVE_ATHERIS = importlib.util.find_spec("atheris") is not None
 HYPOTHESIS_SHARE = 5 / 6 if HAVE_ATHERIS else 1.0
 WALL_LIMIT_S = float(os.environ.get("SHMSTAGE_FUZZ_SECONDS", "1800"))
 
-DATA_TMP = ".model.safetensors.0123456789abcdef.shmstage-tmp"
-MANIFEST_TMP = ".shmstage-manifest.json.0123456789abcdef.shmstage-tmp"
 
 # -- strategies ----------------------------------------------------------------------
 
@@ -134,8 +143,68 @@ OPS: dict[str, list[str]] = {
 }  # fmt: skip
 
 
+valid_tensor = st.builds(
+    lambda k, d, s, o: [k, d, s, o if o is None or len(o) == len(s) else None],
+    st.text(min_size=1, max_size=4),
+    st.sampled_from(list(DTYPE_SIZES)),
+    st.lists(st.integers(0, 6), max_size=2),
+    st.none() | st.lists(st.integers(0, 4), max_size=2),
+)
+def mostly(right: st.SearchStrategy[Any], other: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``right`` four times in five (hypothesis weighs one_of branches evenly)."""
+    return st.integers(0, 4).flatmap(lambda i: right if i else other)
+
+
+PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
+    "tensors": st.lists(valid_tensor, min_size=1, max_size=3, unique_by=lambda t: t[0]),
+    "slots": st.integers(1, 2),
+    "layout": mostly(st.just(LAYOUT), st.sampled_from([0, 10**6])),
+    "slot": mostly(st.just(SLOT), st.sampled_from([1, 7, -1])),
+    "wait": st.booleans(),
+    "timeout": st.sampled_from([0.0, 0.05, 0.2]),
+    "data_file": mostly(st.just("model.safetensors"), names),
+    "data_tmp": mostly(st.just(DATA_TMP), names),
+    "manifest_tmp": mostly(st.just(MANIFEST_TMP), names),
+    "tree": mostly(st.just(TREE), st.sampled_from([None, {"T": "nope"}, {"l": []}]) | trees),
+    "metadata": st.dictionaries(st.text(max_size=4), st.integers(-9, 9) | st.text(max_size=4)),
+    "file_metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
+    "stage_seconds": st.floats(0, 10),
+    "slot_wait_seconds": st.floats(0, 10),
+}
+#: Weighted towards the ops that lead somewhere: register, acquire, commit.
+CLIENT_OPS = [
+    *["register"] * 2,
+    *["acquire", "commit"] * 3,
+    *["cancel", "release", "status", "metrics"],
+]
+#: Ops the daemon answers at once (acquire only when it need not wait for a slot).
+ANSWERED_AT_ONCE = {"register", "cancel", "commit", "release", "status", "metrics"}
+
+
 @st.composite
-def structured_frame(draw: st.DrawFn) -> tuple[bytes, list[str]]:
+def plausible_frame(
+    draw: st.DrawFn, op: str | None = None
+) -> tuple[dict[str, Any], list[str], bool]:
+    """A well-formed request with values that may be right for this session — or not quite:
+    the fuzz then reaches registration, slots, commits and the writer, in any order."""
+    op = op or draw(st.sampled_from(CLIENT_OPS))
+    message: dict[str, Any] = {"op": op, "id": draw(st.integers(1, 1000)), "nfds": 0}
+    optional = ("stage_seconds", "slot_wait_seconds", "file_metadata", "metadata")
+    for name in OPS[op]:
+        if name not in optional or draw(st.booleans()):
+            message[name] = draw(PLAUSIBLE[name])
+    kinds: list[str] = []
+    if op == "commit":
+        kinds = [COMMIT_FDS] if draw(st.integers(0, 5)) else draw(
+            st.lists(st.sampled_from(FD_KINDS), max_size=3)
+        )
+        message["nfds"] = 3 if kinds == [COMMIT_FDS] else len(kinds)
+    answer = op in ANSWERED_AT_ONCE or (op == "acquire" and message.get("wait") is False)
+    return message, kinds, answer
+
+
+@st.composite
+def structured_frame(draw: st.DrawFn) -> tuple[dict[str, Any], list[str], None]:
     """An envelope that is usually well-formed, with fields usually of the right type."""
     op = draw(st.sampled_from(list(OPS)) | st.text(max_size=8) | values)
     message: dict[Any, Any] = {}
@@ -153,35 +222,43 @@ def structured_frame(draw: st.DrawFn) -> tuple[bytes, list[str]]:
         kinds = ["dir", "file", "file"]
     declared = draw(st.sampled_from([len(kinds), len(kinds), 0, 3, 253, 254, -1]) | values)
     message["nfds"] = declared
-    return encode(message), kinds
+    return message, kinds, None  # None: hostile, never waited on
 
 
 @st.composite
-def raw_frame(draw: st.DrawFn) -> tuple[bytes, list[str]]:
+def raw_frame(draw: st.DrawFn) -> tuple[bytes, list[str], bool]:
     """Bytes no well-behaved peer would send."""
     kind = draw(st.integers(0, 6))
     if kind == 0:  # a length prefix promising far more than will ever come (or is allowed)
-        return struct.pack(">I", draw(st.sampled_from([2**31, 2**32 - 1, 33 << 20, 0]))), []
+        return struct.pack(">I", draw(st.sampled_from([2**31, 2**32 - 1, 33 << 20, 0]))), [], False
     if kind == 1:  # random payload, honest length
         payload = draw(st.binary(min_size=1, max_size=64))
-        return struct.pack(">I", len(payload)) + payload, []
+        return struct.pack(">I", len(payload)) + payload, [], False
     if kind == 2:  # deep nesting inside an otherwise valid map
         depth = draw(st.integers(1, 5000))
         payload = b"\x83\xa2op\xa5hello\xa2id\x01\xa7version" + b"\x91" * depth + b"\xc0"
-        return struct.pack(">I", len(payload)) + payload, []
+        return struct.pack(">I", len(payload)) + payload, [], False
     if kind == 3:  # not a map at all
-        return encode(draw(values)), draw(st.lists(st.sampled_from(FD_KINDS), max_size=2))
+        return encode(draw(values)), draw(st.lists(st.sampled_from(FD_KINDS), max_size=2)), False
     if kind == 4:  # a truncated frame (the rest never comes)
         whole = encode({"op": "status", "id": 1, "nfds": 0})
-        return whole[: draw(st.integers(1, len(whole) - 1))], []
+        return whole[: draw(st.integers(1, len(whole) - 1))], [], False
     if kind == 5:  # descriptors with no frame to claim them
-        return b"", ["pipe"] * draw(st.integers(1, 6))
-    return draw(st.binary(min_size=1, max_size=32)), []
+        return b"", ["pipe"] * draw(st.integers(1, 6)), False
+    return draw(st.binary(min_size=1, max_size=32)), [], False
 
 
+# Plausible frames, so a session lives long enough to reach deep states, and at most one
+# hostile frame (which usually ends the session) somewhere among them.
 session = st.tuples(
     st.booleans() | st.just(True),  # greet first (mostly)
-    st.lists(structured_frame() | raw_frame(), min_size=1, max_size=40),
+    st.builds(
+        lambda first, rest: first + rest,
+        st.lists(plausible_frame("register"), max_size=1),  # often registered from the start
+        st.lists(plausible_frame(), max_size=30),
+    ),
+    st.none() | structured_frame() | raw_frame(),
+    st.floats(0, 1),  # where the hostile frame goes
 )
 
 
@@ -221,11 +298,17 @@ def run_session(sock: Path, scratch: Path, greet: bool, frames: list) -> int:
     connection = FuzzConnection(sock)
     try:
         if greet:
-            connection.send(encode({"op": "hello", "id": 1, "nfds": 0, "version": 1,
-                                    "client": "fuzz", "pid": os.getpid()}))  # fmt: skip
+            connection.request({"op": "hello", "id": 0, "nfds": 0, "version": 1,
+                                "client": "fuzz", "pid": os.getpid()}, [], answer=True)  # fmt: skip
             connection.frames_sent -= 1
-        for data, kinds in frames:
-            if not connection.send(data, open_fds(kinds, scratch)):
+        for item, kinds, answer in frames:
+            fds = open_fds(kinds, scratch)
+            if isinstance(item, bytes):
+                alive = connection.hostile(item, fds)
+            else:
+                connection.tainted |= answer is None  # a hostile message
+                alive = connection.request(item, fds, answer=bool(answer))
+            if not alive:
                 break
         connection.probe(request_id=10**6)
         return connection.frames_sent
@@ -250,11 +333,16 @@ def test_hypothesis_fuzz_over_the_socket(daemon, tmp_path: Path) -> None:
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
+        # Each example is real I/O against one long-lived daemon: shrinking would replay
+        # thousands of sessions (minutes) and change the daemon under it. Report as found.
+        phases=[Phase.generate],
     )
     @given(session)
-    def fuzz(example: tuple[bool, list]) -> None:
+    def fuzz(example: tuple[bool, list, Any, float]) -> None:
         nonlocal sent
-        greet, frames = example
+        greet, frames, hostile, where = example
+        if hostile is not None:
+            frames.insert(round(where * len(frames)), hostile)
         sent += run_session(daemon.socket, scratch, greet, frames)
         assert daemon.proc.poll() is None, f"shmstaged died:\n{daemon.log()[-3000:]}"
 
