@@ -123,6 +123,16 @@ def run(job: PersistJob) -> JobResult:
         job.destination.close()
 
 
+def _published(job: PersistJob, size: int, started: float) -> JobResult:
+    return JobResult(
+        job.id,
+        True,
+        bytes=size,
+        seconds=time.perf_counter() - started,
+        files=[job.destination.data_file, MANIFEST_NAME],
+    )
+
+
 def _run(job: PersistJob) -> JobResult:
     started = time.perf_counter()
     dest = job.destination
@@ -133,13 +143,7 @@ def _run(job: PersistJob) -> JobResult:
             size = os.fstat(dest.data_fd).st_size
             _sync_dir(dest, job.fsync)
             _remove_temps(dest)
-            return JobResult(
-                job.id,
-                True,
-                bytes=size,
-                seconds=time.perf_counter() - started,
-                files=[dest.data_file, MANIFEST_NAME],
-            )
+            return _published(job, size, started)
         total, checksums = _write_data(job, step)
         step.now = f"publishing {dest.data_file}"
         _check_writable(job)
@@ -166,13 +170,7 @@ def _run(job: PersistJob) -> JobResult:
         step.now = "syncing the checkpoint directory"
         faults.maybe_eio("sync-dir")
         _sync_dir(dest, job.fsync)
-        return JobResult(
-            job.id,
-            True,
-            bytes=total,
-            seconds=time.perf_counter() - started,
-            files=[dest.data_file, MANIFEST_NAME],
-        )
+        return _published(job, total, started)
     except JobFailed as exc:
         code, message = exc.code, exc.message
     except OSError as exc:

@@ -254,13 +254,18 @@ def test_socket_activation_with_systemd_socket_activate() -> None:
             [tool, "-l", path, "--fdname=control", *env_flags,
              sys.executable, "-c", ACTIVATED_PROGRAM, path],
         )
-        try:
-            assert _connect_and_read(path, proc) == b"served by the activated daemon"
-            assert proc.wait(timeout=WAIT_S) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=WAIT_S)
+        _expect_activated_service(path, proc)
+
+
+def _expect_activated_service(path: str, proc: subprocess.Popen[bytes]) -> None:
+    """The activated child serves one connection through the socket it was handed."""
+    try:
+        assert _connect_and_read(path, proc) == b"served by the activated daemon"
+        assert proc.wait(timeout=WAIT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT_S)
 
 
 def test_socket_activation_protocol_by_hand() -> None:
@@ -289,13 +294,7 @@ def test_socket_activation_protocol_by_hand() -> None:
             env=CHILD_ENV,
         )
         listener.close()
-        try:
-            assert _connect_and_read(path, proc) == b"served by the activated daemon"
-            assert proc.wait(timeout=WAIT_S) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=WAIT_S)
+        _expect_activated_service(path, proc)
 
 
 def test_listen_fds_ignores_variables_meant_for_another_process() -> None:
