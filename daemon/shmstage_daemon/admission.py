@@ -28,10 +28,11 @@ def peer_of(sock: socket.socket) -> Peer:
     pid, uid, gid = _UCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     )
-    return Peer(pid, uid, gid, frozenset({gid, *_supplementary_groups(pid)}))
+    return Peer(pid, uid, gid, frozenset({gid, *supplementary_groups(pid)}))
 
 
-def _supplementary_groups(pid: int) -> list[int]:
+def supplementary_groups(pid: int) -> list[int]:
+    """Not in SO_PEERCRED, so read from /proc; empty when the process is gone or hidden."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("Groups:"):

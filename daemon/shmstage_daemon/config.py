@@ -41,7 +41,6 @@ __all__ = [
     "ShmCapacity",
     "load_config",
     "measure_shm",
-    "peer_groups",
     "resolve_budget",
 ]
 
@@ -410,33 +409,6 @@ class Config:
             for n in names
             if getattr(self, n) != getattr(other, n)
         }
-
-    def admits(self, uid: int, gid: int, pid: int | None = None) -> bool:
-        """Whether a peer (as reported by SO_PEERCRED) may use the daemon.
-
-        Supplementary groups are not in SO_PEERCRED, so they are read from
-        /proc/<pid>/status; a peer whose pid we cannot see (another PID namespace reports
-        pid 0, or it already exited) is judged on uid and primary gid only.
-        """
-        if uid in self.allowed_users:
-            return True
-        if not self.allowed_groups:
-            return False
-        if gid in self.allowed_groups:
-            return True
-        return bool(pid) and not self.allowed_groups.isdisjoint(peer_groups(pid))
-
-
-def peer_groups(pid: int) -> frozenset[int]:
-    """The supplementary group ids of a process (from /proc); empty when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return frozenset(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return frozenset()
 
 
 # ---------------------------------------------------------------------------------- loading

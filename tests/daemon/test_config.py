@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from shmstage_daemon.admission import Allowlist, Peer, supplementary_groups
 from shmstage_daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,
@@ -20,7 +21,6 @@ from shmstage_daemon.config import (
     ShmCapacity,
     load_config,
     measure_shm,
-    peer_groups,
     resolve_budget,
 )
 
@@ -317,14 +317,20 @@ def test_config_is_immutable() -> None:
 # ---------------------------------------------------------------------------- peers
 
 
+def allowlist_of(config: Config) -> Allowlist:
+    """What the daemon builds from a configuration (main.py) and admits peers with."""
+    return Allowlist(config.allowed_users, config.allowed_groups)
+
+
 def test_peer_admission_by_user_primary_and_supplementary_group() -> None:
-    config = Config(shm_budget="1MiB", allowed_users=[4242], allowed_groups=[5151])
-    assert config.admits(uid=4242, gid=1, pid=None)
-    assert config.admits(uid=0, gid=1, pid=None)  # root is always admitted
-    assert config.admits(uid=os.getuid(), gid=1, pid=None)  # so is the daemon's own user
-    assert config.admits(uid=1000, gid=5151, pid=None)
-    assert not config.admits(uid=1000, gid=1000, pid=None)
-    assert not Config(shm_budget="1MiB").admits(uid=1000, gid=1000, pid=os.getpid())
+    allow = allowlist_of(Config(shm_budget="1MiB", allowed_users=[4242], allowed_groups=[5151]))
+    assert allow.admits(Peer(1, 4242, 1, frozenset({1})))
+    assert allow.admits(Peer(1, 0, 1, frozenset({1})))  # root is always admitted
+    assert allow.admits(Peer(1, os.getuid(), 1, frozenset({1})))  # so is the daemon's user
+    assert allow.admits(Peer(1, 1000, 5151, frozenset({5151})))
+    assert allow.admits(Peer(1, 1000, 1000, frozenset({1000, 5151})))  # supplementary
+    assert not allow.admits(Peer(1, 1000, 1000, frozenset({1000})))
+    assert not allowlist_of(Config(shm_budget="1MiB")).admits(Peer(1, 1000, 1000, frozenset()))
 
 
 def test_supplementary_groups_are_read_from_proc() -> None:
@@ -338,16 +344,15 @@ def test_supplementary_groups_are_read_from_proc() -> None:
         extra_groups=[5151, 6161],
     )
     try:
-        assert peer_groups(peer.pid) == {5151, 6161}
-        config = Config(shm_budget="1MiB", allowed_groups=[6161])
-        assert config.admits(uid=65534, gid=65534, pid=peer.pid)
-        assert not Config(shm_budget="1MiB", allowed_groups=[7171]).admits(
-            uid=65534, gid=65534, pid=peer.pid
-        )
+        groups = frozenset({65534, *supplementary_groups(peer.pid)})
+        assert groups >= {5151, 6161}
+        seen = Peer(peer.pid, 65534, 65534, groups)
+        assert allowlist_of(Config(shm_budget="1MiB", allowed_groups=[6161])).admits(seen)
+        assert not allowlist_of(Config(shm_budget="1MiB", allowed_groups=[7171])).admits(seen)
     finally:
         peer.communicate(timeout=10)
     # Gone: nothing to read, so only uid and primary gid count.
-    assert peer_groups(peer.pid) == frozenset()
+    assert supplementary_groups(peer.pid) == []
 
 
 # ---------------------------------------------------------------------------- the example
