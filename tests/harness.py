@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -187,3 +188,17 @@ def assert_same(
         assert actual != actual, where
     else:
         assert actual == expected, where
+
+
+def packages_imported_by(modules: Sequence[str], packages: Sequence[str]) -> list[str]:
+    """Which of ``packages`` a fresh interpreter loads when it imports ``modules``.
+
+    A fresh process, because this test process has long since imported torch itself.
+    """
+    code = (
+        f"import json, sys, {', '.join(modules)}; print(json.dumps(sorted("
+        f"m for m in sys.modules if m.split('.')[0] in {tuple(packages)!r})))"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    return json.loads(probe.stdout)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import RunningDaemon, start_daemon
+from harness import RunningDaemon, packages_imported_by, start_daemon
 from shmstage_client import Stager
 
 from shmstage import checkpoint, instance, segment
@@ -180,16 +180,8 @@ def test_commands_that_need_the_daemon_say_so_when_it_is_not_running(tmp_path: P
 
 
 def test_the_cli_never_imports_torch_or_the_daemon() -> None:
-    probe = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys, shmstage.cli, shmstage.control, shmstage.listing, shmstage.instance; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'shmstage_daemon', 'shmstage_client', 'psutil')))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    loaded = packages_imported_by(
+        ["shmstage.cli", "shmstage.control", "shmstage.listing", "shmstage.instance"],
+        ["torch", "shmstage_daemon", "shmstage_client", "psutil"],
     )
-    assert probe.stdout.strip() == "[]", probe.stderr
+    assert loaded == []
