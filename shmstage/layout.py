@@ -8,13 +8,10 @@ caching on them, or ignoring offsets, is how earlier systems silently re-saved s
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
-
-import msgpack
 
 #: safetensors dtype name -> bytes per element. Sub-byte types (F4, F6_*) are absent on
 #: purpose: they do not map to whole-byte tensors one can stage and checksum per key.
@@ -116,20 +113,27 @@ def _int_tuple(key: object, what: str, value: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """An ordered, validated set of tensor specs with a stable structure key."""
+    """An ordered, validated set of tensor specs; equal layouts may share segments."""
 
     tensors: tuple[TensorSpec, ...]
+    #: Derived once: the daemon asks for the total and the key set on every commit.
+    nbytes: int = field(init=False, repr=False, compare=False)
+    key_set: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(spec.nbytes for spec in self.tensors))
+        object.__setattr__(self, "key_set", frozenset(spec.key for spec in self.tensors))
 
     @classmethod
     def of(cls, specs: Iterable[TensorSpec]) -> Layout:
-        layout = cls(tuple(specs))
+        checked = tuple(specs)
         seen: set[str] = set()
-        for spec in layout.tensors:
+        for spec in checked:
             spec.validate()
             if spec.key in seen:
                 raise LayoutError(f"tensor key {spec.key!r} appears twice")
             seen.add(spec.key)
-        return layout
+        return cls(checked)
 
     @classmethod
     def from_wire(cls, items: object, *, max_tensors: int) -> Layout:
@@ -143,15 +147,6 @@ class Layout:
 
     def to_wire(self) -> list[list[Any]]:
         return [spec.to_wire() for spec in self.tensors]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(spec.nbytes for spec in self.tensors)
-
-    @property
-    def structure_key(self) -> str:
-        """Digest of everything that decides whether segments can be reused."""
-        return hashlib.sha256(msgpack.packb(self.to_wire())).hexdigest()
 
     def data_offsets(self) -> list[tuple[int, int]]:
         """Byte ranges of each tensor in a data file: contiguous, in layout order."""

@@ -17,7 +17,7 @@ The core does not know what a tensor is: callers pass ``is_tensor``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 MAX_DEPTH: Final = 64
@@ -29,21 +29,37 @@ class TreeError(ValueError):
 
 def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> tuple[Any, list[tuple[str, Any]]]:
     """Encode ``obj`` and list its tensors as ``(flat_key, tensor)`` in traversal order."""
-    tensors: list[tuple[str, Any]] = []
-    owners: dict[str, tuple[Any, ...]] = {}
+    flattener = _Flattener(is_tensor)
+    return flattener.walk(obj, ""), flattener.tensors
 
-    def walk(node: Any, path: tuple[Any, ...]) -> Any:
+
+class _Flattener:
+    """One traversal's state; a class rather than a recursive closure, whose reference
+    cycle would keep every per-save object (and the tensors) alive until a collection.
+
+    This runs inside every save, so each flat key is built once from its parent's and the
+    path exists only as one shared stack, for error messages.
+    """
+
+    def __init__(self, is_tensor: Callable[[Any], bool]) -> None:
+        self.is_tensor = is_tensor
+        self.tensors: list[tuple[str, Any]] = []
+        self.owners: dict[str, tuple[Any, ...]] = {}
+        self.path: list[Any] = []
+
+    def walk(self, node: Any, key: str) -> Any:
+        path = self.path
         if len(path) > MAX_DEPTH:
             raise TreeError(f"{_show(path)}: nesting deeper than {MAX_DEPTH} levels")
-        if is_tensor(node):
-            key = ".".join(map(str, path)) if path else "tensor"
-            if key in owners:
+        if self.is_tensor(node):
+            key = key or "tensor"
+            if key in self.owners:
                 raise TreeError(
-                    f"{_show(path)} and {_show(owners[key])} both flatten to key {key!r}; "
-                    "rename one of them"
+                    f"{_show(path)} and {_show(self.owners[key])} both flatten to key "
+                    f"{key!r}; rename one of them"
                 )
-            owners[key] = path
-            tensors.append((key, node))
+            self.owners[key] = tuple(path)
+            self.tensors.append((key, node))
             return {"T": key}
         if node is None or isinstance(node, bool | str):
             return node
@@ -53,56 +69,69 @@ def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> tuple[Any, list[tuple
             return {"f": float(node).hex()}
         if isinstance(node, Mapping):
             items = []
-            for key, value in node.items():
-                if not isinstance(key, str | int) or isinstance(key, bool):
+            for child, value in node.items():
+                if not isinstance(child, str | int) or isinstance(child, bool):
                     raise TreeError(
-                        f"{_show(path)}: dict key {key!r} of type {type(key).__name__} is "
+                        f"{_show(path)}: dict key {child!r} of type {type(child).__name__} is "
                         "not supported (use str or int keys)"
                     )
-                items.append([key, walk(value, (*path, key))])
+                path.append(child)
+                items.append([child, self.walk(value, _join(key, child, len(path)))])
+                path.pop()
             return {"d": items}
         if isinstance(node, list | tuple):
-            tag = "l" if isinstance(node, list) else "t"
-            return {tag: [walk(value, (*path, i)) for i, value in enumerate(node)]}
+            encoded = []
+            for i, value in enumerate(node):
+                path.append(i)
+                encoded.append(self.walk(value, _join(key, i, len(path))))
+                path.pop()
+            return {"l" if isinstance(node, list) else "t": encoded}
         raise TreeError(
             f"{_show(path)}: value of type {type(node).__module__}.{type(node).__qualname__} "
             "cannot be checkpointed (supported: tensors, dict, list, tuple, int, float, str, "
             "bool, None)"
         )
 
-    return walk(obj, ()), tensors
-
 
 def unflatten(encoded: Any, tensor: Callable[[str], Any]) -> Any:
     """Rebuild the original object, fetching each tensor by its flat key."""
-
-    def build(node: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH + 1:
-            raise TreeError("structure nested deeper than the format allows")
-        if node is None or isinstance(node, bool | int | str):
-            return node
-        if isinstance(node, dict) and len(node) == 1:
-            ((tag, value),) = node.items()
-            if tag == "T" and isinstance(value, str):
-                return tensor(value)
-            if tag == "f" and isinstance(value, str):
-                return float.fromhex(value)
-            if tag == "d" and isinstance(value, list):
-                return {_key(pair): build(pair[1], depth + 1) for pair in value}
-            if tag == "l" and isinstance(value, list):
-                return [build(item, depth + 1) for item in value]
-            if tag == "t" and isinstance(value, list):
-                return tuple(build(item, depth + 1) for item in value)
-        raise TreeError(f"malformed structure node {node!r:.80}")
-
-    return build(encoded, 0)
+    return _decode(encoded, tensor, rebuild=True)
 
 
 def tensor_keys(encoded: Any) -> list[str]:
-    """Flat keys referenced by an encoded tree, for consistency checks without rebuilding."""
+    """Flat keys referenced by an encoded tree, in order, checking every node as
+    ``unflatten`` would but building nothing (the daemon runs this on every commit)."""
     keys: list[str] = []
-    unflatten(encoded, lambda key: keys.append(key))
+    _decode(encoded, keys.append, rebuild=False)
     return keys
+
+
+def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int = 0) -> Any:
+    """``unflatten`` when ``rebuild``, else only the checks and the ``tensor`` calls."""
+    if depth > MAX_DEPTH + 1:
+        raise TreeError("structure nested deeper than the format allows")
+    if node is None or isinstance(node, bool | int | str):
+        return node
+    if isinstance(node, dict) and len(node) == 1:
+        ((tag, value),) = node.items()
+        if tag == "T" and isinstance(value, str):
+            return tensor(value)
+        if tag == "f" and isinstance(value, str):
+            return float.fromhex(value)
+        if tag == "d" and isinstance(value, list):
+            pairs = ((_key(pair), _decode(pair[1], tensor, rebuild, depth + 1)) for pair in value)
+            return dict(pairs) if rebuild else _drain(pairs)
+        if tag in ("l", "t") and isinstance(value, list):
+            items = (_decode(item, tensor, rebuild, depth + 1) for item in value)
+            if not rebuild:
+                return _drain(items)
+            return list(items) if tag == "l" else tuple(items)
+    raise TreeError(f"malformed structure node {node!r:.80}")
+
+
+def _drain(items: Iterable[Any]) -> None:
+    for _ in items:
+        pass
 
 
 def _key(pair: Any) -> str | int:
@@ -116,5 +145,10 @@ def _key(pair: Any) -> str | int:
     return pair[0]
 
 
-def _show(path: tuple[Any, ...]) -> str:
+def _join(parent: str, child: str | int, depth: int) -> str:
+    """The flat key of a child: its path's parts joined by dots (``optim.state.0.exp_avg``)."""
+    return parent + "." + str(child) if depth > 1 else str(child)
+
+
+def _show(path: Sequence[Any]) -> str:
     return "state_dict" + "".join(f"[{part!r}]" for part in path)

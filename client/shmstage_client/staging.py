@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,7 +32,10 @@ class MappedLayout:
 
     id: int
     layout: Layout
-    structure_key: str
+    #: The tensor properties this layout was last matched against, and where those
+    #: tensors live (``device_groups``); both set by the Stager.
+    signature: list[tuple[Any, ...]] | None = None
+    groups: dict[torch.device, list[int]] = field(default_factory=dict)
     slots: list[list[torch.Tensor]] = field(default_factory=list)
     pinned: PinnedRanges | None = None
     _maps: list[segment.Mapping] = field(default_factory=list)
@@ -45,7 +49,7 @@ class MappedLayout:
         Descriptors are closed as soon as each batch is mapped: with 10,000 tensors and two
         slots, holding all 20,000 at once would exceed a typical RLIMIT_NOFILE.
         """
-        mapped = cls(layout_id, layout, layout.structure_key)
+        mapped = cls(layout_id, layout)
         mapped._slot_count = slot_count
         return mapped
 
@@ -92,25 +96,6 @@ class MappedLayout:
         self._views = []
         return self
 
-    @classmethod
-    def from_fds(
-        cls,
-        layout_id: int,
-        layout: Layout,
-        slot_count: int,
-        fds: Sequence[int],
-        *,
-        pin: bool = False,
-    ) -> MappedLayout:
-        """Map all descriptors at once (closing them); see ``receiving`` for large layouts."""
-        mapped = cls.receiving(layout_id, layout, slot_count)
-        try:
-            mapped.add_segments(fds)
-            return mapped.complete(pin=pin)
-        except BaseException:
-            mapped.close()
-            raise
-
     def close(self) -> None:
         """Unpin, then unmap. Views handed out earlier must be gone, or GC unmaps later."""
         if self.pinned is not None:
@@ -140,32 +125,58 @@ def _raw(view: torch.Tensor) -> torch.Tensor:
     return view.reshape(-1).view(torch.uint8)
 
 
+def device_groups(devices: Sequence[torch.device]) -> dict[torch.device, list[int]]:
+    """The positions of the tensors on each device, in order."""
+    groups: dict[torch.device, list[int]] = {}
+    for index, device in enumerate(devices):
+        groups.setdefault(device, []).append(index)
+    return groups
+
+
 class CopyEngine:
     """Copies sources into slot views, keeping one side stream per CUDA device."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def copy(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-        """Copy every source into its slot view; returns when every byte has landed."""
-        cuda_pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for dst, src in zip(destinations, sources, strict=True):
-            if src.device.type == "cuda":
-                cuda_pairs.setdefault(src.device, []).append((dst, src))
-            else:
-                dst.copy_(src.detach())
-        events = [self._copy_from_cuda(device, pairs) for device, pairs in cuda_pairs.items()]
+    def copy(
+        self,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        groups: Mapping[torch.device, Sequence[int]] | None = None,
+    ) -> None:
+        """Copy every source into its slot view; returns when every byte has landed.
+
+        Each device's tensors are one ``_foreach_copy_`` call: at 10,000 tensors a Python
+        loop of ``copy_`` costs more than the bytes do. ``groups`` (``device_groups`` of
+        the sources, which the Stager keeps per layout) saves looking at every device again.
+        """
+        if len(destinations) != len(sources):
+            raise ValueError(f"{len(sources)} sources for {len(destinations)} slot views")
+        if groups is None:
+            groups = device_groups([src.device for src in sources])
+        events = []
+        with torch.no_grad():  # the views must not join the caller's autograd graph
+            for device, indices in groups.items():
+                if len(indices) == len(sources):
+                    dsts, srcs = list(destinations), list(sources)
+                else:
+                    dsts = [destinations[i] for i in indices]
+                    srcs = [sources[i] for i in indices]
+                if device.type == "cuda":
+                    events.append(self._copy_from_cuda(device, dsts, srcs))
+                else:
+                    torch._foreach_copy_(dsts, srcs)
         for event in events:
             event.synchronize()  # one event per device, never torch.cuda.synchronize()
 
     def _copy_from_cuda(
-        self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+        self, device: torch.device, dsts: list[torch.Tensor], srcs: list[torch.Tensor]
     ) -> torch.cuda.Event:
         side = self._streams.get(device)
         if side is None:
             side = self._streams[device] = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # caller's pending writes first
         with torch.cuda.stream(side):
-            for dst, src in pairs:
-                dst.copy_(src.detach(), non_blocking=True)
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
         return side.record_event()

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -42,6 +43,7 @@ from shmstage.manifest import MANIFEST_NAME
 from shmstage.segment import SegmentRef
 from shmstage_daemon import job
 from shmstage_daemon.admission import Peer, may_write_dir
+from shmstage_daemon.store import SlotWire
 
 log = logging.getLogger("shmstaged.journal")
 
@@ -97,10 +99,18 @@ class Entry:
     def describe(self) -> str:
         return f"job {self.job} of instance {self.instance} ({self.directory}/{self.data_file})"
 
-    def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            {"v": ENTRY_VERSION, **{k: getattr(self, k) for k in _FIELDS}}, use_bin_type=True
-        )
+    def to_bytes(self, prepacked: Mapping[str, bytes] | None = None) -> bytes:
+        """The entry as one msgpack map. ``prepacked``: fields whose encoding is already
+        known (a slot's tensors and segments, see ``store.SlotWire``), spliced in as is;
+        the bytes are the same as without it."""
+        fields = {"v": ENTRY_VERSION, **{k: getattr(self, k) for k in _FIELDS}}
+        done = prepacked or {}
+        packer = msgpack.Packer(use_bin_type=True)
+        parts = [packer.pack_map_header(len(fields))]
+        for key, value in fields.items():
+            parts.append(packer.pack(key))
+            parts.append(done[key] if key in done else packer.pack(value))
+        return b"".join(parts)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Entry:
@@ -170,16 +180,21 @@ def _segment(item: Any) -> tuple[str, int]:
 
 
 def entry_for(
-    persist: job.PersistJob, instance: str, peer: Peer, directory: str, directory_id: FileId
+    persist: job.PersistJob,
+    wire: SlotWire,
+    instance: str,
+    peer: Peer,
+    directory: str,
+    directory_id: FileId,
 ) -> Entry:
-    """The journal entry of a job about to be acknowledged (runs in the loop: fstat only)."""
+    """The journal entry of a job about to be acknowledged (fstat only: no file I/O)."""
     dest = persist.destination
     data, manifest = os.fstat(dest.data_fd), os.fstat(dest.manifest_fd)
     return Entry(
         instance=instance,
         job=persist.id,
-        tensors=persist.layout.to_wire(),
-        segments=[(ref.name, ref.size) for ref in persist.segments],
+        tensors=wire.tensors,
+        segments=wire.segments,
         header=persist.header,
         directory=directory,
         directory_id=directory_id,
@@ -400,9 +415,11 @@ class Journal:
         if st.st_mode & 0o077:
             os.chmod(self.directory, 0o700)
 
-    def record(self, entry: Entry, *, fsync: bool) -> None:
+    def record(
+        self, entry: Entry, *, fsync: bool, prepacked: Mapping[str, bytes] | None = None
+    ) -> None:
         """Add an entry atomically: whole after a crash, or absent."""
-        data = entry.to_bytes()
+        data = entry.to_bytes(prepacked)
         tmp = f".{entry.name}{_TMP_SUFFIX}"
         dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

@@ -33,7 +33,7 @@ from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import measure_shm
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
-from shmstage_daemon.store import Limits, StagedLayout, Store, StoreError
+from shmstage_daemon.store import Limits, SlotWire, StagedLayout, Store, StoreError
 from shmstage_daemon.telemetry import FinishedJob, Telemetry
 from shmstage_daemon.transport import Transport
 
@@ -339,8 +339,10 @@ class Daemon:
         """
         cap = measure_shm()
         if nbytes > cap.usable:
-            tight = "free space in /dev/shm" if cap.shm_free <= cap.mem_available else (
-                "memory available on this node"
+            tight = (
+                "free space in /dev/shm"
+                if cap.shm_free <= cap.mem_available
+                else ("memory available on this node")
             )
             raise StoreError(
                 ErrorCode.SHM_EXHAUSTED,
@@ -395,11 +397,11 @@ class Daemon:
     def journal_path(self) -> Path:
         return self.journal.directory
 
-    async def journal_commit(self, persist: job.PersistJob, peer: Peer) -> None:
+    async def journal_commit(self, persist: job.PersistJob, wire: SlotWire, peer: Peer) -> None:
         """Journal a job before it is acknowledged; raises OSError if the journal fails."""
         loop = asyncio.get_running_loop()
         directory = await loop.run_in_executor(
-            self._journal_io, self._journal_sync, persist, peer, self.fsync
+            self._journal_io, self._journal_sync, persist, wire, peer, self.fsync
         )
         if directory is None:
             log.warning(
@@ -412,7 +414,9 @@ class Daemon:
         persist.destination.path = directory
         self._journaled[persist.id] = f"{self.instance}.{persist.id}{instance.JOURNAL_SUFFIX}"
 
-    def _journal_sync(self, persist: job.PersistJob, peer: Peer, fsync: bool) -> str | None:
+    def _journal_sync(
+        self, persist: job.PersistJob, wire: SlotWire, peer: Peer, fsync: bool
+    ) -> str | None:
         """Runs in the journal thread: locate the directory, then write the entry."""
         dir_fd = persist.destination.dir_fd
         directory = journal.locate(dir_fd)
@@ -420,9 +424,9 @@ class Daemon:
             return None
         st = os.fstat(dir_fd)
         entry = journal.entry_for(
-            persist, self.instance, peer, directory, (st.st_dev, st.st_ino)
+            persist, wire, self.instance, peer, directory, (st.st_dev, st.st_ino)
         )
-        self.journal.record(entry, fsync=fsync)
+        self.journal.record(entry, fsync=fsync, prepacked=wire.packed)
         return directory
 
     def _unjournal(self, job_id: int) -> None:
@@ -616,6 +620,7 @@ class Daemon:
             f"of {format_size(self.store.limits.shm_budget_bytes)}, {writing} job(s) writing, "
             f"{self.stats['saves']} saved, {self.stats['failed']} failed"
         )
+
 
 def _unlink_all(names: list[str]) -> None:
     for name in names:

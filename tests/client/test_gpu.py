@@ -99,3 +99,24 @@ def test_layouts_unregister_before_unmapping(daemon, ckpt: Path) -> None:
             stager.save({"a": torch.randn(10, device="cuda")}, ckpt / "x").wait(60)
             stager.save({"a": torch.randn(11, device="cuda")}, ckpt / "y").wait(60)
             assert stager.pinned
+
+
+def test_cpu_and_cuda_tensors_in_one_state_and_a_move_between_saves(daemon, ckpt: Path) -> None:
+    """Copies are grouped per device; the groups follow the tensors when they move."""
+    state = {
+        "gpu": torch.randn(1 << 16, device="cuda"),
+        "cpu": torch.randn(1 << 10),
+        "gpu_strided": torch.randn(64, 128, device="cuda").t(),
+        "step": 7,
+    }
+    with Stager(daemon.socket) as stager:
+        stager.save(state, ckpt / "mixed").wait(60)
+        layout = stager._layout
+        moved = {**state, "cpu": state["cpu"].cuda(), "gpu": state["gpu"].cpu()}
+        stager.save(moved, ckpt / "moved").wait(60)
+        assert stager._layout is layout  # same structure: the segments are reused
+    for name, source in (("mixed", state), ("moved", moved)):
+        loaded = load(ckpt / name)
+        for key in ("gpu", "cpu", "gpu_strided"):
+            assert torch.equal(loaded[key], source[key].cpu()), (name, key)
+        assert loaded["step"] == 7

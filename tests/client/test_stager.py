@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -218,6 +219,44 @@ def test_unsupported_values_fail_before_anything_is_written(
     assert daemon.segments() == []
 
 
+def test_a_tensor_that_turns_unsupported_in_an_unchanged_structure_is_still_refused(
+    daemon, ckpt: Path
+) -> None:
+    """Steady-state saves skip rebuilding the layout when the tensors look the same; a
+    sparse or meta tensor of the same key, dtype and shape must not slip through that."""
+    with Stager(daemon.socket) as stager:
+        stager.save({"s": torch.ones(2)}, ckpt / "good").wait(60)
+        layout = stager._layout
+        for bad in (torch.ones(2).to_sparse(), torch.empty(2, device="meta")):
+            with pytest.raises(UnsupportedValue, match="nothing was written"):
+                stager.save({"s": bad}, ckpt / "bad")
+            assert not (ckpt / "bad").exists()
+        # A Parameter where a Tensor was is the same layout: no new registration.
+        stager.save({"s": torch.nn.Parameter(torch.full((2,), 3.0))}, ckpt / "param").wait(60)
+        assert stager._layout is layout
+    assert_same(load(ckpt / "param"), {"s": torch.full((2,), 3.0)})
+
+
+def test_saving_leaves_the_garbage_collector_as_the_caller_set_it(daemon, ckpt: Path) -> None:
+    """save() holds off cyclic collection while it runs (see stager._collection_paused)."""
+    with Stager(daemon.socket) as stager:
+        assert gc.isenabled()
+        stager.save({"w": torch.ones(4)}, ckpt / "a").wait(60)
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            stager.save({"w": torch.ones(4)}, ckpt / "b").wait(60)
+            assert not gc.isenabled()
+            with pytest.raises(UnsupportedValue):
+                stager.save({"w": {1, 2}}, ckpt / "c")
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        with pytest.raises(UnsupportedValue):
+            stager.save({"w": {1, 2}}, ckpt / "c")
+        assert gc.isenabled()
+
+
 def test_fail_fast_when_every_slot_is_busy(daemon, ckpt: Path) -> None:
     big = {"w": torch.ones(32 << 20, dtype=torch.uint8)}
     with Stager(daemon.socket, slots=1, wait_for_slot=False) as stager:
@@ -329,6 +368,10 @@ back = load(sys.argv[2])
 assert all(torch.equal(back[k], v) for k, v in state.items())
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -16,10 +16,10 @@ def spec(
     return TensorSpec(key, dtype, shape, offsets)
 
 
-def test_structure_key_covers_key_dtype_shape_and_offsets() -> None:
+def test_equality_decides_reuse_and_covers_key_dtype_shape_offsets_and_order() -> None:
     base = Layout.of([spec(), spec("b", "F32", (3,))])
     same = Layout.of([spec(), spec("b", "F32", (3,))])
-    assert base.structure_key == same.structure_key
+    assert base == same and base.nbytes == same.nbytes == 4 * 8 * 2 + 3 * 4
     variants = [
         [spec("w2"), spec("b", "F32", (3,))],
         [spec(dtype="F16"), spec("b", "F32", (3,))],
@@ -29,8 +29,9 @@ def test_structure_key_covers_key_dtype_shape_and_offsets() -> None:
         [spec("b", "F32", (3,)), spec()],
         [spec()],
     ]
-    keys = {Layout.of(v).structure_key for v in variants}
-    assert base.structure_key not in keys and len(keys) == len(variants)
+    layouts = [Layout.of(v) for v in variants]
+    assert all(layout != base for layout in layouts)
+    assert all(a != b for i, a in enumerate(layouts) for b in layouts[i + 1 :])
 
 
 def test_wire_round_trip_and_data_offsets_are_contiguous() -> None:

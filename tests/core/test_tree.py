@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -81,6 +82,30 @@ def test_unsupported_values_are_named_by_path(value: object, fragment: str) -> N
 def test_colliding_flat_keys_are_refused() -> None:
     with pytest.raises(tree.TreeError, match=r"both flatten to key 'a\.b'"):
         tree.flatten({"a": {"b": Leaf("1")}, "a.b": Leaf("2")}, is_leaf)
+
+
+def test_flat_keys_are_the_path_joined_by_dots_even_with_empty_parts() -> None:
+    _, tensors = tree.flatten({"": {"a": Leaf("1")}, "b": [Leaf("2"), {"": Leaf("3")}]}, is_leaf)
+    assert [key for key, _ in tensors] == [".a", "b.0", "b.1."]
+    _, (only,) = tree.flatten(Leaf("root"), is_leaf)
+    assert only[0] == "tensor"
+
+
+def test_flattening_leaves_nothing_for_the_cycle_collector() -> None:
+    """Every save flattens its state dict: a reference cycle there would keep the whole
+    per-save structure (and the caller's tensors) alive until Python's next collection."""
+    state = {"model": {f"w{i}": Leaf(str(i)) for i in range(100)}, "step": 3}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        encoded, tensors = tree.flatten(state, is_leaf)
+        assert tree.tensor_keys(encoded) == [key for key, _ in tensors]
+        del encoded, tensors
+        assert gc.collect() == 0
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_nesting_is_bounded() -> None:

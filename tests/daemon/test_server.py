@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import RawClient, packages_imported_by, start_daemon
+from harness import RawClient, packages_imported_by, start_daemon, wait_for
 from shmstage_client import DaemonLost, DaemonUnavailable, Stager
 
 from shmstage import checkpoint, segment
@@ -132,8 +132,13 @@ def test_the_daemon_never_imports_torch(daemon) -> None:
     maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
     assert "libtorch" not in maps and "torch" not in maps
     loaded = packages_imported_by(
-        ["shmstage_daemon.main", "shmstage_daemon.server", "shmstage_daemon.job",
-         "shmstage.checkpoint", "shmstage.cli"],
+        [
+            "shmstage_daemon.main",
+            "shmstage_daemon.server",
+            "shmstage_daemon.job",
+            "shmstage.checkpoint",
+            "shmstage.cli",
+        ],
         ["torch"],
     )
     assert loaded == []
@@ -196,6 +201,10 @@ def test_segments_of_a_killed_daemon_are_reaped_by_the_next(tmp_path: Path, ckpt
     stager = Stager(first.socket, slots=2)
     stager.save({"w": torch.ones(100), "b": torch.ones(3)}, ckpt / "c").wait(60)
     assert len(first.segments()) == 4
+    # The job's journal entry is dropped just after the client hears "durable"; killed
+    # before that, the entry (rightly) holds the segments back for this socket's next daemon.
+    journal = first.socket.with_name(first.socket.name + ".journal")
+    wait_for(lambda: not any(journal.iterdir()), 10, "the finished job's journal entry to go")
     first.proc.kill()
     first.proc.wait(10)
     stager.close(timeout=1)

@@ -12,6 +12,7 @@ import pytest
 from fault_helpers import NOBODY, require_root
 from shmstage_daemon import job, journal
 from shmstage_daemon.admission import Peer
+from shmstage_daemon.store import SlotWire
 
 from shmstage import checkpoint, datafile, instance, names, segment
 from shmstage.layout import Layout, TensorSpec
@@ -62,7 +63,8 @@ def entry_of(persist: job.PersistJob, instance_id: str, peer: Peer = ROOT) -> jo
     path = journal.locate(dir_fd)
     assert path is not None
     st = os.fstat(dir_fd)
-    return journal.entry_for(persist, instance_id, peer, path, (st.st_dev, st.st_ino))
+    wire = SlotWire.of(persist.layout, persist.segments)
+    return journal.entry_for(persist, wire, instance_id, peer, path, (st.st_dev, st.st_ino))
 
 
 @pytest.fixture
@@ -77,6 +79,9 @@ def test_entries_round_trip_and_malformed_ones_are_refused(tmp_path: Path, insta
     persist = staged_job(tmp_path / "c", instance_id)
     entry = entry_of(persist, instance_id)
     assert journal.Entry.from_bytes(entry.to_bytes()) == entry
+    # What the daemon writes: the slot's parts encoded once and spliced in, same bytes.
+    wire = SlotWire.of(persist.layout, persist.segments)
+    assert entry.to_bytes(wire.packed) == entry.to_bytes()
     for bad in (b"", b"\xc1", b"\x80", entry.to_bytes()[:-3]):
         with pytest.raises(journal.JournalError):
             journal.Entry.from_bytes(bad)
