@@ -8,12 +8,15 @@ is reserved with ``posix_fallocate``: ``ftruncate`` on tmpfs reserves nothing an
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import mmap
 import os
 import re
 import secrets
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -45,6 +48,65 @@ def instance_of(name: str) -> str | None:
 def mapping_size(nbytes: int) -> int:
     """Zero-byte tensors still get a one-byte segment: mmap cannot map nothing."""
     return max(nbytes, 1)
+
+
+#: Setting up less than this per thread costs more in thread overhead and kernel/driver
+#: locks than it saves: on the H200 host 10,000 segments of 128 KiB took 0.30 s to create
+#: and 0.56 s to register on 8 threads, against 0.13 s and 0.33 s on one.
+PARALLEL_MIN_BYTES: Final = 256 << 20
+MAX_SETUP_THREADS: Final = 8
+
+
+def setup_groups(sizes: Sequence[int], max_threads: int = MAX_SETUP_THREADS) -> list[list[int]]:
+    """Indices of ``sizes`` split into groups of about equal bytes, one per setup thread.
+
+    Reserving, faulting in and pinning pages is per-page kernel and driver work that
+    scales with threads for large segments (H200 host, 4 GiB in 8 segments: fallocate
+    0.32 -> 0.05 s, first touch 0.37 -> 0.11 s, cudaHostRegister 0.26 -> 0.11 s on 8
+    threads), so large layouts are set up in parallel and small ones are not.
+    """
+    count = min(max_threads, os.cpu_count() or 1, len(sizes), sum(sizes) // PARALLEL_MIN_BYTES)
+    count = max(count, 1)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(index)
+        loads[lightest] += sizes[index]
+    return [sorted(group) for group in groups if group]
+
+
+def in_parallel(sizes: Sequence[int], work: Callable[[int], None]) -> None:
+    """Call ``work(i)`` for every index, one thread per ``setup_groups`` group.
+
+    After a failure every group stops at its next item, and once all threads have
+    stopped the error of the first group (in order) that failed is raised; ``work`` must
+    record what it made so that the caller can undo it. With one group everything runs in
+    the calling thread.
+    """
+    groups = setup_groups(sizes)
+    if len(groups) <= 1:
+        for group in groups:
+            for index in group:
+                work(index)
+        return
+    failed = threading.Event()
+
+    def run(group: list[int]) -> None:
+        for index in group:
+            if failed.is_set():
+                return
+            try:
+                work(index)
+            except BaseException:
+                failed.set()
+                raise
+
+    with concurrent.futures.ThreadPoolExecutor(len(groups), "shmstage-setup") as pool:
+        futures = [pool.submit(run, group) for group in groups]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +181,12 @@ class Mapping:
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value

@@ -19,11 +19,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import warnings
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
 import torch
+
+from shmstage import segment
 
 #: Pinned for every CUDA context in the process, not only the current device's.
 _HOST_REGISTER_PORTABLE: Final = 0x01
@@ -84,26 +86,31 @@ class PinnedRanges:
     def __len__(self) -> int:
         return len(self._bases)
 
-    def register(self, buffers: Iterable[torch.Tensor]) -> None:
-        """Touch and register each uint8 buffer; all or nothing."""
+    def register(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Touch and register each uint8 buffer, large layouts on several threads (see
+        ``segment.setup_groups``); all or nothing."""
         runtime = _get_runtime()
-        try:
-            for buffer in buffers:
-                if buffer.numel() == 0:
-                    continue
-                _touch(buffer)
-                address, size = buffer.data_ptr(), buffer.numel()
-                for start in range(0, size, MAX_REGISTER_BYTES):
-                    length = min(MAX_REGISTER_BYTES, size - start)
-                    code = runtime.lib.cudaHostRegister(
-                        address + start, length, _HOST_REGISTER_PORTABLE
+
+        def pin(index: int) -> None:
+            buffer = buffers[index]
+            if buffer.numel() == 0:
+                return
+            _touch(buffer)
+            address, size = buffer.data_ptr(), buffer.numel()
+            for start in range(0, size, MAX_REGISTER_BYTES):
+                length = min(MAX_REGISTER_BYTES, size - start)
+                code = runtime.lib.cudaHostRegister(
+                    address + start, length, _HOST_REGISTER_PORTABLE
+                )
+                if code != 0:
+                    runtime.clear_sticky_error()  # CUDA's last error is per thread: here
+                    raise PinError(
+                        f"cudaHostRegister of {length} bytes failed: {runtime.error(code)}"
                     )
-                    if code != 0:
-                        runtime.clear_sticky_error()
-                        raise PinError(
-                            f"cudaHostRegister of {length} bytes failed: {runtime.error(code)}"
-                        )
-                    self._bases.append(address + start)
+                self._bases.append(address + start)  # list.append is atomic
+
+        try:
+            segment.in_parallel([buffer.numel() for buffer in buffers], pin)
         except BaseException:
             self.release()
             raise
@@ -121,8 +128,9 @@ class PinnedRanges:
         self._bases.clear()
         if failures:
             warnings.warn(
-                f"shmstage: cudaHostUnregister failed for {len(failures)} range(s): "
-                f"{failures[0]}", RuntimeWarning, stacklevel=2,
+                f"shmstage: cudaHostUnregister failed for {len(failures)} range(s): {failures[0]}",
+                RuntimeWarning,
+                stacklevel=2,
             )
 
 
@@ -140,7 +148,8 @@ def try_pin(buffers: list[torch.Tensor]) -> PinnedRanges | None:
         warnings.warn(
             f"shmstage: could not pin the staging segments ({exc}); GPU copies will run "
             "unpinned, at roughly a third of pinned bandwidth",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning,
+            stacklevel=3,
         )
         return None
     return ranges

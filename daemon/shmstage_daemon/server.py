@@ -358,24 +358,26 @@ class Daemon:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def create_segments(self, layout: Layout, slots: int) -> list[list[SegmentRef]]:
-        """Runs in an I/O thread; all or nothing."""
-        made: list[SegmentRef] = []
+        """Runs in an I/O thread, fanning large layouts out to setup threads; all or nothing."""
+        sizes = [spec.nbytes for spec in layout.tensors] * slots
+        refs: list[SegmentRef | None] = [None] * len(sizes)
+
+        def make(index: int) -> None:
+            refs[index] = segment.create(self.instance, sizes[index])
+
         try:
-            result = []
-            for _ in range(slots):
-                refs = []
-                for spec in layout.tensors:
-                    ref = segment.create(self.instance, spec.nbytes)
-                    made.append(ref)
-                    refs.append(ref)
-                    if len(made) == 1:
-                        faults.pause("register")
-                result.append(refs)
-            return result
+            if sizes:
+                make(0)
+                faults.pause("register")
+            segment.in_parallel(sizes[1:], lambda index: make(index + 1))
         except BaseException:
-            for ref in made:
-                segment.unlink(ref.name)
+            for ref in refs:
+                if ref is not None:
+                    segment.unlink(ref.name)
             raise
+        per_slot = len(layout.tensors)
+        made = [ref for ref in refs if ref is not None]
+        return [made[i * per_slot : (i + 1) * per_slot] for i in range(slots)]
 
     def release(self, staged: StagedLayout) -> None:
         self.store.mark_released(staged)

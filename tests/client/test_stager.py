@@ -375,3 +375,23 @@ print("ok")
         timeout=180,
     )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_large_layout_is_created_on_several_threads_and_saved_exactly(daemon, ckpt: Path) -> None:
+    """Above segment.PARALLEL_MIN_BYTES per thread the daemon reserves segments on several
+    threads (and a CUDA client pins them so): every segment still lands in its place."""
+    count = 160 << 20  # int8 elements: 2 tensors x 2 slots = 640 MiB, 2+ setup groups
+    state = {
+        "a": torch.arange(count, dtype=torch.int32).to(torch.int8),
+        "b": torch.arange(count, dtype=torch.int32).mul_(7).to(torch.int8),
+        "small": torch.arange(10.0),
+    }
+    assert len(segment.setup_groups([count, count, 40] * 2)) >= min(2, os.cpu_count() or 1)
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.save(state, ckpt / "one").wait(120)
+        state["a"].neg_()
+        stager.save(state, ckpt / "two").wait(120)  # the second slot
+        assert len(daemon.segments()) == 6
+    assert_same(load(ckpt / "two"), state)
+    state["a"].neg_()
+    assert_same(load(ckpt / "one"), state)

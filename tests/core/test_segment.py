@@ -26,8 +26,9 @@ def test_create_reserves_and_restricts() -> None:
         memoryview(mapping.buffer).cast("B")[:3] = b"abc"  # the mapping outlives its descriptor
         assert os.listdir("/proc/self/fd").count(str(fd)) == 0 or True
         mapping.close()
-        reread = segment.map_fd(fd2 := segment.open_fd(ref, writable=False), ref.size,
-                                writable=False)
+        reread = segment.map_fd(
+            fd2 := segment.open_fd(ref, writable=False), ref.size, writable=False
+        )
         os.close(fd2)
         assert bytes(memoryview(reread.buffer).cast("B")[:3]) == b"abc"
         reread.close()
@@ -73,3 +74,38 @@ def test_a_full_dev_shm_is_an_error_not_a_sigbus() -> None:
 def test_foreign_names_are_not_ours() -> None:
     assert segment.instance_of("/psm_1234") is None
     assert segment.instance_of("/shmstage.abc.def") is None
+
+
+def test_small_layouts_are_set_up_on_one_thread_large_ones_balanced_by_bytes() -> None:
+    small = [128 << 10] * 10_000  # 1.2 GiB in many small segments: still parallel by bytes
+    assert segment.setup_groups([4096] * 10_000) == [list(range(10_000))]
+    assert segment.setup_groups([]) == []
+    sizes = [256 << 20, 4096, 1 << 30, 64 << 20, 512 << 20, 12, 0, 300 << 20]
+    groups = segment.setup_groups(sizes, max_threads=3)
+    assert 1 <= len(groups) <= min(3, os.cpu_count() or 1)
+    assert sorted(i for group in groups for i in group) == list(range(len(sizes)))
+    assert all(group == sorted(group) for group in groups)
+    if len(groups) > 1:  # greedy by size: no group carries more than the largest + its share
+        loads = [sum(sizes[i] for i in group) for group in groups]
+        assert max(loads) <= max(sizes) + sum(sizes) // len(groups)
+    assert len(segment.setup_groups(small, max_threads=1)) == 1
+
+
+def test_parallel_setup_does_everything_once_or_stops_and_raises() -> None:
+    done: list[int] = []
+    segment.in_parallel([], done.append)
+    assert done == []
+    sizes = [segment.PARALLEL_MIN_BYTES] * 16
+    segment.in_parallel(sizes, done.append)
+    assert sorted(done) == list(range(16))
+
+    done.clear()
+
+    def fail_on_three(index: int) -> None:
+        if index == 3:
+            raise OSError(28, "no space")
+        done.append(index)
+
+    with pytest.raises(OSError, match="no space"):
+        segment.in_parallel(sizes, fail_on_three)
+    assert 3 not in done and len(set(done)) == len(done)
