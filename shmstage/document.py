@@ -29,5 +29,31 @@ def parse(
 
 
 def render(document: dict[str, Any]) -> bytes:
-    """Readable, exact JSON: NaN is refused rather than written as a non-standard token."""
-    return json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False).encode()
+    """Readable, exact JSON: NaN is refused rather than written as a non-standard token.
+
+    One line per top-level key and per entry of a top-level object (one per tensor in a
+    manifest), each written by json's C encoder: an indented ``json.dumps`` runs the
+    pure-Python encoder, 0.4 s of every 10,000-tensor save on a 2-core machine.
+    """
+    lines = ["{"]
+    for i, (key, value) in enumerate(document.items()):
+        comma = "," if i < len(document) - 1 else ""
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            lines.append(f" {_compact(key)}: {{")
+            last = len(value) - 1
+            lines.extend(
+                f"  {_compact(k)}: {_compact(v)}{',' if j < last else ''}"
+                for j, (k, v) in enumerate(value.items())
+            )
+            lines.append(" }" + comma)
+        else:
+            lines.append(f" {_compact(key)}: {_compact(value)}{comma}")
+    lines.append("}")
+    return "\n".join(lines).encode()
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(", ", ": "))
+
+
+def _compact(value: Any) -> str:
+    return _ENCODER.encode(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -14,8 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from shmstage_daemon.admission import Peer
+from shmstage_daemon.job import Destination, PersistJob
 
-from shmstage import segment
+from shmstage import datafile, names, segment
+from shmstage.layout import Layout, TensorSpec
+from shmstage.manifest import MANIFEST_NAME
 
 
 def shmstaged_command() -> list[str]:
@@ -202,3 +207,47 @@ def packages_imported_by(modules: Sequence[str], packages: Sequence[str]) -> lis
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0, probe.stderr
     return json.loads(probe.stdout)
+
+
+def staged_job(
+    directory: Path,
+    instance_id: str,
+    tensors: Sequence[tuple[TensorSpec, bytes]],
+    *,
+    peer: Peer | None = None,
+) -> PersistJob:
+    """A committed job as the daemon holds it: segments filled, the client's files open in
+    the new ``directory``; for tests that run ``job.run`` (or the journal) in-process."""
+    layout = Layout.of([spec for spec, _ in tensors])
+    refs = []
+    for spec, payload in tensors:
+        assert len(payload) == spec.nbytes, spec
+        ref = segment.create(instance_id, spec.nbytes)
+        fd = segment.open_fd(ref, writable=True)
+        with mmap.mmap(fd, ref.size) as mapping:
+            mapping[: len(payload)] = payload
+        os.close(fd)
+        refs.append(ref)
+    directory.mkdir()
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    data_tmp, manifest_tmp = names.temp_name("model.safetensors"), names.temp_name(MANIFEST_NAME)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    dest = Destination(
+        dir_fd,
+        os.open(data_tmp, flags, 0o644, dir_fd=dir_fd),
+        os.open(manifest_tmp, flags, 0o644, dir_fd=dir_fd),
+        "model.safetensors",
+        data_tmp,
+        manifest_tmp,
+    )
+    return PersistJob(
+        id=1,
+        layout=layout,
+        segments=refs,
+        header=datafile.build_header(layout, {"format": "pt"}),
+        destination=dest,
+        tree={"d": [[spec.key, {"T": spec.key}] for spec, _ in tensors]},
+        metadata={"step": 1},
+        save_info={},
+        peer=peer,
+    )

@@ -34,6 +34,10 @@ from shmstage_daemon import faults
 from shmstage_daemon.admission import Peer, may_write_dir
 
 WRITE_CHUNK: Final = 64 * 1024 * 1024
+#: Tensors smaller than this are copied into a buffer of GATHER_BUFFER bytes and written
+#: with their neighbours rather than mapped one by one (see ``_Stream``).
+GATHER_BYTES: Final = 256 * 1024
+GATHER_BUFFER: Final = 16 * 1024 * 1024
 
 
 @dataclass
@@ -227,14 +231,15 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
     write_all(fd, job.header, 0)
-    position = len(job.header)
     checksums = []
     job.progress.phase = "writing"
+    stream = _Stream(fd, len(job.header), job.progress)
     for index, (spec, ref) in enumerate(zip(job.layout.tensors, job.segments, strict=True)):
         if index == 1:
+            stream.flush()  # "mid-stream" means the first tensor is in the file
             faults.pause("mid-stream")
-        checksums.append(_stream_segment(ref, spec.nbytes, fd, position, job.progress))
-        position += spec.nbytes
+        checksums.append(stream.add(ref, spec.nbytes))
+    stream.flush()
     os.ftruncate(fd, size)
     job.progress.phase = "syncing"
     step.now = f"syncing {job.destination.data_file}"
@@ -243,31 +248,79 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     return size, checksums
 
 
-def _stream_segment(
-    ref: SegmentRef, nbytes: int, fd: int, position: int, progress: Progress
-) -> int:
-    """Checksum and write one tensor straight from its mapping, chunk by chunk."""
-    if nbytes == 0:
-        return 0
-    seg_fd = segment.open_fd(ref, writable=False)
-    try:
-        mapping = mmap.mmap(seg_fd, ref.size, prot=mmap.PROT_READ)
-    finally:
-        os.close(seg_fd)
-    crc = 0
-    try:
-        with memoryview(mapping) as view:
-            for start in range(0, nbytes, WRITE_CHUNK):
-                # Released even when the write fails: an exported slice would make
-                # mapping.close() raise BufferError and hide the write's real error.
-                with view[start : min(start + WRITE_CHUNK, nbytes)] as chunk:
-                    crc = checksum(chunk, crc)
-                    faults.maybe_eio("write")
-                    write_all(fd, chunk, position + start)
-                    progress.written += len(chunk)
-    finally:
-        mapping.close()
-    return crc
+class _Stream:
+    """Writes tensors back to back from their segments.
+
+    Small tensors are read into one reusable buffer (``pread``) and written a buffer at a
+    time: mapping a segment costs ~20 us (open, mmap, faults, munmap), which at 10,000
+    tensors made writing 256 MiB take 0.33 s against 0.10 s for one buffer; copying a
+    tensor under GATHER_BYTES costs less than that. Larger tensors are written straight
+    from their mapping, chunk by chunk, checksummed as they go.
+    """
+
+    def __init__(self, fd: int, position: int, progress: Progress) -> None:
+        self.fd = fd
+        self.position = position
+        self.progress = progress
+        self.buffer = memoryview(bytearray(GATHER_BUFFER))
+        self.filled = 0
+
+    def add(self, ref: SegmentRef, nbytes: int) -> int:
+        """Write (or gather) one tensor; returns its checksum."""
+        if nbytes == 0:
+            return 0
+        if nbytes >= GATHER_BYTES:
+            self.flush()
+            return self._write_mapped(ref, nbytes)
+        if self.filled + nbytes > len(self.buffer):
+            self.flush()
+        target = self.buffer[self.filled : self.filled + nbytes]
+        seg_fd = segment.open_fd(ref, writable=False)
+        try:
+            _read_exactly(seg_fd, target, ref)
+        finally:
+            os.close(seg_fd)
+        self.filled += nbytes
+        return checksum(target)
+
+    def flush(self) -> None:
+        if self.filled:
+            self._write(self.buffer[: self.filled])
+            self.filled = 0
+
+    def _write_mapped(self, ref: SegmentRef, nbytes: int) -> int:
+        seg_fd = segment.open_fd(ref, writable=False)
+        try:
+            mapping = mmap.mmap(seg_fd, ref.size, prot=mmap.PROT_READ)
+        finally:
+            os.close(seg_fd)
+        crc = 0
+        try:
+            with memoryview(mapping) as view:
+                for start in range(0, nbytes, WRITE_CHUNK):
+                    # Released even when the write fails: an exported slice would make
+                    # mapping.close() raise BufferError and hide the write's real error.
+                    with view[start : min(start + WRITE_CHUNK, nbytes)] as chunk:
+                        crc = checksum(chunk, crc)
+                        self._write(chunk)
+        finally:
+            mapping.close()
+        return crc
+
+    def _write(self, data: memoryview) -> None:
+        faults.maybe_eio("write")
+        write_all(self.fd, data, self.position)
+        self.position += len(data)
+        self.progress.written += len(data)
+
+
+def _read_exactly(fd: int, target: memoryview, ref: SegmentRef) -> None:
+    done = 0
+    while done < len(target):
+        got = os.preadv(fd, [target[done:]], done)
+        if got == 0:
+            raise OSError(errno.EIO, f"segment {ref.name} ended after {done} bytes")
+        done += got
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:

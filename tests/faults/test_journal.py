@@ -4,56 +4,32 @@ and reapers that leave owed segments alone."""
 
 from __future__ import annotations
 
-import mmap
 import os
 from pathlib import Path
 
+import harness
 import pytest
 from fault_helpers import NOBODY, require_root
 from shmstage_daemon import job, journal
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.store import SlotWire
 
-from shmstage import checkpoint, datafile, instance, names, segment
-from shmstage.layout import Layout, TensorSpec
+from shmstage import checkpoint, instance, segment
+from shmstage.layout import TensorSpec
 from shmstage.manifest import MANIFEST_NAME
 
 ROOT = Peer(1, 0, 0, frozenset({0}))
 
 
 def staged_job(directory: Path, instance_id: str, *, peer: Peer = ROOT) -> job.PersistJob:
-    """A committed job as the daemon holds it: segments filled, client's files open."""
-    layout = Layout.of([TensorSpec("a", "U8", (3,)), TensorSpec("b", "I32", (2,))])
-    refs = []
-    payloads = (b"abc", b"\x01\x00\x00\x00\x02\x00\x00\x00")
-    for spec, payload in zip(layout.tensors, payloads, strict=True):
-        ref = segment.create(instance_id, spec.nbytes)
-        fd = segment.open_fd(ref, writable=True)
-        with mmap.mmap(fd, ref.size) as mapping:
-            mapping[: len(payload)] = payload
-        os.close(fd)
-        refs.append(ref)
-    directory.mkdir()
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    data_tmp, manifest_tmp = names.temp_name("model.safetensors"), names.temp_name(MANIFEST_NAME)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    dest = job.Destination(
-        dir_fd,
-        os.open(data_tmp, flags, 0o644, dir_fd=dir_fd),
-        os.open(manifest_tmp, flags, 0o644, dir_fd=dir_fd),
-        "model.safetensors",
-        data_tmp,
-        manifest_tmp,
-    )
-    return job.PersistJob(
-        id=1,
-        layout=layout,
-        segments=refs,
-        header=datafile.build_header(layout, {"format": "pt"}),
-        destination=dest,
-        tree={"d": [["a", {"T": "a"}], ["b", {"T": "b"}]]},
-        metadata={"step": 1},
-        save_info={},
+    """A committed two-tensor job as the daemon holds it."""
+    return harness.staged_job(
+        directory,
+        instance_id,
+        [
+            (TensorSpec("a", "U8", (3,)), b"abc"),
+            (TensorSpec("b", "I32", (2,)), b"\x01\x00\x00\x00\x02\x00\x00\x00"),
+        ],
         peer=peer,
     )
 
