@@ -520,7 +520,7 @@ class ShmstageDaemon:
         """Start once and wait for the socket file; raise with the daemon's log if it dies."""
         if self.socket is not None:
             return self.socket
-        self.tmp = tempfile.mkdtemp(prefix="shmstage-bench-daemon-")
+        self.tmp = tempfile.mkdtemp(prefix="shmstage-bench-daemon-", dir=_runtime_dir())
         sock = os.path.join(self.tmp, "shmstaged.sock")
         self.log_path = os.path.join(self.tmp, "shmstaged.log")
         with open(self.log_path, "wb") as log:
@@ -553,6 +553,26 @@ class ShmstageDaemon:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
         self.socket = None
+
+
+def _runtime_dir() -> str | None:
+    """A tmpfs directory for the bench's own daemon, as the packaged service has.
+
+    The daemon journals each commit next to its socket before acknowledging it; the
+    service's socket is in /run/shmstage (tmpfs: a journal that lives as long as the
+    segments do). Under /tmp on a disk, every save would wait for a disk fsync that the
+    service never pays. None: no tmpfs found, the default temp dir.
+    """
+    candidates = [os.environ.get("XDG_RUNTIME_DIR", ""), "/run", "/dev/shm"]
+    try:
+        with open("/proc/mounts") as mounts:
+            tmpfs = {line.split()[1] for line in mounts if line.split()[2] == "tmpfs"}
+    except OSError:
+        return None
+    for path in candidates:
+        if path in tmpfs and os.access(path, os.W_OK | os.X_OK):
+            return path
+    return None
 
 
 def _import_stager() -> Any:
