@@ -192,12 +192,73 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+_PROT_NONE: Final = 0
+_MAP_FIXED: Final = getattr(mmap, "MAP_FIXED", 0x10)
+_MAP_NORESERVE: Final = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
 def map_fd(fd: int, size: int, *, writable: bool) -> Mapping:
     """Map a segment descriptor; the descriptor may (and should) be closed right after."""
+    _check_size(fd, size)
+    return Mapping(fd, size, writable=writable)
+
+
+def _check_size(fd: int, size: int) -> None:
     actual = os.fstat(fd).st_size
     if actual < size:
         raise SegmentError(errno.EINVAL, f"segment is {actual} bytes but {size} were expected")
-    return Mapping(fd, size, writable=writable)
+
+
+class Region:
+    """Segments mapped back to back, each at the next page boundary of one address range.
+
+    A slot's segments mapped here form one contiguous range, so CUDA can pin the slot with
+    a few ``cudaHostRegister`` calls instead of one per tensor (20,000 calls took 2.4 s for
+    a 10,000-tensor layout with two slots on the H200 host), and one ``munmap`` undoes it.
+    The range is reserved up front (no access, no memory); like Mapping it holds no
+    descriptor.
+    """
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        page = mmap.PAGESIZE
+        self.sizes = [mapping_size(size) for size in sizes]
+        self.offsets: list[int] = []
+        position = 0
+        for size in self.sizes:
+            self.offsets.append(position)
+            position += -(-size // page) * page
+        self.size = max(position, page)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        address = _libc.mmap(None, self.size, _PROT_NONE, flags, -1, 0)
+        if address in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise SegmentError(
+                err, f"cannot reserve {self.size} bytes of address space: {os.strerror(err)}"
+            )
+        self.address: int = address
+
+    def map(self, index: int, fd: int, *, writable: bool) -> None:
+        """Map segment ``index`` from ``fd`` at its place; the descriptor may be closed."""
+        size = self.sizes[index]
+        _check_size(fd, size)
+        want = self.address + self.offsets[index]
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        got = _libc.mmap(want, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+        if got in (None, _MAP_FAILED) or got != want:
+            err = ctypes.get_errno()
+            raise SegmentError(err, f"cannot map a {size}-byte segment: {os.strerror(err)}")
+
+    def buffer(self, index: int | None = None) -> ctypes.Array[ctypes.c_char]:
+        """The bytes of segment ``index`` (or of the whole range), for torch.frombuffer."""
+        if index is None:
+            return (ctypes.c_char * self.size).from_address(self.address)
+        return (ctypes.c_char * self.sizes[index]).from_address(self.address + self.offsets[index])
+
+    def close(self) -> None:
+        """Unmap every segment and the reservation. Views must never be touched again."""
+        if self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
 
 
 def unlink(name: str) -> bool:

@@ -12,6 +12,9 @@ queued on other streams cannot delay the save.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,7 +26,9 @@ import torch
 from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
-from shmstage_client.pinning import PinnedRanges, try_pin
+from shmstage_client.pinning import PinError, PinnedRanges, try_pin
+
+log = logging.getLogger("shmstage.client")
 
 
 @dataclass
@@ -38,7 +43,8 @@ class MappedLayout:
     groups: dict[torch.device, list[int]] = field(default_factory=dict)
     slots: list[list[torch.Tensor]] = field(default_factory=list)
     pinned: PinnedRanges | None = None
-    _maps: list[segment.Mapping] = field(default_factory=list)
+    #: One address range per slot, its segments back to back (see ``segment.Region``).
+    _regions: list[segment.Region] = field(default_factory=list)
     _views: list[torch.Tensor] = field(default_factory=list)
     _slot_count: int = 0
 
@@ -51,6 +57,13 @@ class MappedLayout:
         """
         mapped = cls(layout_id, layout)
         mapped._slot_count = slot_count
+        sizes = [spec.nbytes for spec in layout.tensors]
+        try:
+            for _ in range(slot_count):
+                mapped._regions.append(segment.Region(sizes))
+        except BaseException:
+            mapped.close()
+            raise
         return mapped
 
     @property
@@ -69,10 +82,13 @@ class MappedLayout:
                     f"daemon sent more than the {self.expected_segments} segments announced"
                 )
             for fd in fds:
-                spec = self.layout.tensors[len(self._views) % len(self.layout.tensors)]
-                mapping = segment.map_fd(fd, segment.mapping_size(spec.nbytes), writable=True)
-                self._maps.append(mapping)
-                self._views.append(_typed_view(mapping, spec.nbytes, spec.dtype, spec.shape))
+                slot, index = divmod(len(self._views), len(self.layout.tensors))
+                spec = self.layout.tensors[index]
+                region = self._regions[slot]
+                region.map(index, fd, writable=True)
+                self._views.append(
+                    _typed_view(region.buffer(index), spec.nbytes, spec.dtype, spec.shape)
+                )
         finally:
             for fd in fds:
                 os.close(fd)
@@ -80,15 +96,17 @@ class MappedLayout:
     def complete(self, *, pin: bool = False) -> MappedLayout:
         """Check every segment arrived, split them into slots, optionally pin them.
 
-        With ``pin``, every mapping is registered with CUDA (once, here), so later
-        device-to-host copies into it run at pinned bandwidth.
+        With ``pin``, the slots are registered with CUDA (once, here), so later
+        device-to-host copies into them run at pinned bandwidth: each slot's range in a few
+        large pieces (registered in parallel), or segment by segment where the driver
+        refuses a range that spans several mappings.
         """
         if len(self._views) != self.expected_segments:
             raise ValueError(
                 f"daemon sent {len(self._views)} segments, expected {self.expected_segments}"
             )
         if pin:
-            self.pinned = try_pin([_raw(view) for view in self._views])
+            self.pinned = self._pin()
         per_slot = len(self.layout.tensors)
         self.slots = [
             self._views[i * per_slot : (i + 1) * per_slot] for i in range(self._slot_count)
@@ -96,28 +114,57 @@ class MappedLayout:
         self._views = []
         return self
 
+    def _pin(self) -> PinnedRanges | None:
+        pieces = [piece for region in self._regions for piece in _pieces(region)]
+        ranges = PinnedRanges()
+        try:
+            ranges.register(pieces)
+            return ranges
+        except (PinError, OSError, AttributeError) as exc:
+            log.info("pinning whole slots failed (%s); pinning segment by segment", exc)
+        return try_pin([_raw(view) for view in self._views])  # before complete() splits them
+
     def close(self) -> None:
-        """Unpin, then unmap. Views handed out earlier must be gone, or GC unmaps later."""
+        """Unpin, then unmap. Views handed out earlier must be gone: they would fault."""
         if self.pinned is not None:
             self.pinned.release()  # CUDA must forget a range before it is unmapped
             self.pinned = None
         self.slots.clear()
         self._views.clear()
-        for mapping in self._maps:
-            mapping.close()
-        self._maps.clear()
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+
+
+def _pieces(region: segment.Region) -> list[torch.Tensor]:
+    """A slot's whole range in pieces of about equal bytes, one per setup thread.
+
+    Cuts fall on segment boundaries: a device-to-host copy whose destination spans two
+    registrations fails with cudaErrorInvalidValue.
+    """
+    whole = _bytes(region.buffer(), region.size)
+    count = max(1, min(segment.MAX_SETUP_THREADS, region.size // segment.PARALLEL_MIN_BYTES))
+    cuts = [0]
+    for offset in region.offsets[1:]:
+        if offset >= len(cuts) * region.size / count:
+            cuts.append(offset)
+    cuts.append(region.size)
+    return [whole[start:end] for start, end in itertools.pairwise(cuts)]
+
+
+def _bytes(buffer: ctypes.Array[ctypes.c_char], nbytes: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns that the buffer is writable
+        return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
 
 def _typed_view(
-    mapping: segment.Mapping, nbytes: int, dtype: str, shape: tuple[int, ...]
+    buffer: ctypes.Array[ctypes.c_char], nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
     torch_dtype = FROM_SAFETENSORS[dtype]
     if nbytes == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        raw = torch.frombuffer(mapping.buffer, dtype=torch.uint8, count=nbytes)
-    return raw.view(torch_dtype).view(shape)
+    return _bytes(buffer, nbytes).view(torch_dtype).view(shape)
 
 
 def _raw(view: torch.Tensor) -> torch.Tensor:

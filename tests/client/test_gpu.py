@@ -28,7 +28,9 @@ def test_segments_are_pinned_once_per_layout(daemon, ckpt: Path) -> None:
             stager.save(state, ckpt / "a").wait(60)
             assert stager.pinned
             ranges = stager._layout.pinned
-            assert len(ranges) == 4  # two tensors x two slots, registered once
+            # One range per slot: each slot's segments lie back to back (segment.Region);
+            # 4 would mean the driver refused whole-slot ranges and it fell back per tensor.
+            assert len(ranges) == 2
             stager.save(state, ckpt / "b").wait(60)
             assert stager._layout.pinned is ranges  # reused, not registered again
     assert torch.equal(load(ckpt / "b")["w"], state["w"].cpu())
@@ -120,3 +122,18 @@ def test_cpu_and_cuda_tensors_in_one_state_and_a_move_between_saves(daemon, ckpt
         for key in ("gpu", "cpu", "gpu_strided"):
             assert torch.equal(loaded[key], source[key].cpu()), (name, key)
         assert loaded["step"] == 7
+
+
+def test_a_large_layout_pinned_in_pieces_saves_every_tensor_exactly(daemon, ckpt: Path) -> None:
+    """Above segment.PARALLEL_MIN_BYTES a slot is pinned as several pieces on several
+    threads; copies into tensors on either side of a cut must still land (a copy spanning
+    two registrations would fail with cudaErrorInvalidValue)."""
+    state = {f"t{i}": torch.randn((37 << 18) + 7 * i, device="cuda") for i in range(16)}
+    with Stager(daemon.socket, slots=2) as stager:
+        for name in ("a", "b", "c"):  # both slots, then the first again
+            stager.save(state, ckpt / name).wait(120)
+            assert stager._layout.pinned is not None and len(stager._layout.pinned) > 2
+            loaded = load(ckpt / name)
+            assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+            for tensor in state.values():
+                tensor.add_(1.0)

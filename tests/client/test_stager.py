@@ -20,6 +20,7 @@ from shmstage_client import (
     Stager,
     UnsupportedValue,
     load,
+    staging,
 )
 from shmstage_client.dtypes import TO_SAFETENSORS
 
@@ -395,3 +396,18 @@ def test_a_large_layout_is_created_on_several_threads_and_saved_exactly(daemon, 
     assert_same(load(ckpt / "two"), state)
     state["a"].neg_()
     assert_same(load(ckpt / "one"), state)
+
+
+def test_pinning_pieces_never_split_a_tensor() -> None:
+    """CUDA refuses a copy into host memory that spans two registrations, so a slot is
+    registered in pieces cut only where one segment ends and the next begins."""
+    sizes = [(100 << 20) + 3, 4096, 300 << 20, 1, 700 << 20, 50 << 20]
+    region = segment.Region(sizes)  # address space only: nothing is mapped or touched
+    try:
+        pieces = staging._pieces(region)
+        starts = [piece.data_ptr() - region.address for piece in pieces]
+        assert starts[0] == 0 and set(starts) <= set(region.offsets)
+        assert sum(piece.numel() for piece in pieces) == region.size
+        assert len(pieces) > 1  # 1.1 GiB: worth several threads
+    finally:
+        region.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 
@@ -109,3 +110,33 @@ def test_parallel_setup_does_everything_once_or_stops_and_raises() -> None:
     with pytest.raises(OSError, match="no space"):
         segment.in_parallel(sizes, fail_on_three)
     assert 3 not in done and len(set(done)) == len(done)
+
+
+def test_a_region_maps_segments_back_to_back_at_page_boundaries() -> None:
+    instance = segment.new_instance_id()
+    sizes = [10, 0, 3 * mmap.PAGESIZE + 1, mmap.PAGESIZE]
+    refs = [segment.create(instance, n) for n in sizes]
+    region = segment.Region(sizes)
+    try:
+        for index, ref in enumerate(refs):
+            fd = segment.open_fd(ref, writable=True)
+            region.map(index, fd, writable=True)
+            os.close(fd)  # the region holds no descriptor
+        assert region.offsets == [0, mmap.PAGESIZE, 2 * mmap.PAGESIZE, 6 * mmap.PAGESIZE]
+        assert region.size == 7 * mmap.PAGESIZE
+        memoryview(region.buffer(2)).cast("B")[-1:] = b"z"
+        whole = memoryview(region.buffer()).cast("B")  # one contiguous, accessible range
+        assert len(whole) == region.size and whole[2 * mmap.PAGESIZE + sizes[2] - 1] == ord("z")
+        whole.release()
+        fd = segment.open_fd(refs[2], writable=False)  # the bytes are the segment's own
+        assert os.pread(fd, 1, sizes[2] - 1) == b"z"
+        os.close(fd)
+        short = segment.create(instance, 5)
+        fd = segment.open_fd(short, writable=True)
+        with pytest.raises(segment.SegmentError, match="5 bytes but 10 were expected"):
+            region.map(0, fd, writable=True)
+        os.close(fd)
+    finally:
+        region.close()
+        for name in segment.list_names(instance):
+            segment.unlink(name)
