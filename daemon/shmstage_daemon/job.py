@@ -16,6 +16,7 @@ name; names are removed only when they are this job's own files (same inode).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import mmap
@@ -233,13 +234,19 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     write_all(fd, job.header, 0)
     checksums = []
     job.progress.phase = "writing"
-    stream = _Stream(fd, len(job.header), job.progress)
-    for index, (spec, ref) in enumerate(zip(job.layout.tensors, job.segments, strict=True)):
-        if index == 1:
-            stream.flush()  # "mid-stream" means the first tensor is in the file
-            faults.pause("mid-stream")
-        checksums.append(stream.add(ref, spec.nbytes))
-    stream.flush()
+    # Leaving the with-block waits for the writer: no write outlives this function, so
+    # none can land in a descriptor that was closed and reused after a failure.
+    with concurrent.futures.ThreadPoolExecutor(1, "shmstage-write") as writer:
+        stream = _Stream(fd, len(job.header), job.progress, writer)
+        pairs = zip(job.layout.tensors, job.segments, strict=True)
+        for index, (spec, ref) in enumerate(pairs):
+            if index == 1:
+                stream.flush()  # "mid-stream" means the first tensor is in the file
+                stream.wait()
+                faults.pause("mid-stream")
+            checksums.append(stream.add(ref, spec.nbytes))
+        stream.flush()
+        stream.wait()
     os.ftruncate(fd, size)
     job.progress.phase = "syncing"
     step.now = f"syncing {job.destination.data_file}"
@@ -249,21 +256,30 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
 
 
 class _Stream:
-    """Writes tensors back to back from their segments.
+    """Writes tensors back to back from their segments, checksumming while it writes.
 
-    Small tensors are read into one reusable buffer (``pread``) and written a buffer at a
+    Small tensors are read into a gather buffer (``pread``) and written a buffer at a
     time: mapping a segment costs ~20 us (open, mmap, faults, munmap), which at 10,000
     tensors made writing 256 MiB take 0.33 s against 0.10 s for one buffer; copying a
     tensor under GATHER_BYTES costs less than that. Larger tensors are written straight
-    from their mapping, chunk by chunk, checksummed as they go.
+    from their mapping, chunk by chunk.
+
+    Writes run on ``writer`` (one thread), one at a time, while this thread checksums and
+    gathers the next buffer or chunk (crc32c and pwrite both release the GIL): serially,
+    checksumming 1 GiB added 0.1 s to its 0.2 s of writing on the H200 host.
     """
 
-    def __init__(self, fd: int, position: int, progress: Progress) -> None:
+    def __init__(
+        self, fd: int, position: int, progress: Progress, writer: concurrent.futures.Executor
+    ) -> None:
         self.fd = fd
         self.position = position
         self.progress = progress
-        self.buffer = memoryview(bytearray(GATHER_BUFFER))
+        self.writer = writer
+        self.buffers = [memoryview(bytearray(GATHER_BUFFER)) for _ in range(2)]
+        self.current = 0
         self.filled = 0
+        self.in_flight: concurrent.futures.Future[None] | None = None
 
     def add(self, ref: SegmentRef, nbytes: int) -> int:
         """Write (or gather) one tensor; returns its checksum."""
@@ -272,9 +288,9 @@ class _Stream:
         if nbytes >= GATHER_BYTES:
             self.flush()
             return self._write_mapped(ref, nbytes)
-        if self.filled + nbytes > len(self.buffer):
+        if self.filled + nbytes > GATHER_BUFFER:
             self.flush()
-        target = self.buffer[self.filled : self.filled + nbytes]
+        target = self.buffers[self.current][self.filled : self.filled + nbytes]
         seg_fd = segment.open_fd(ref, writable=False)
         try:
             _read_exactly(seg_fd, target, ref)
@@ -284,9 +300,17 @@ class _Stream:
         return checksum(target)
 
     def flush(self) -> None:
+        """Start writing the gathered buffer; gathering goes on in the other one."""
         if self.filled:
-            self._write(self.buffer[: self.filled])
+            self._write(self.buffers[self.current][: self.filled])
+            self.current ^= 1
             self.filled = 0
+
+    def wait(self) -> None:
+        """Until the write in flight is done; raises its error."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is not None:
+            in_flight.result()
 
     def _write_mapped(self, ref: SegmentRef, nbytes: int) -> int:
         seg_fd = segment.open_fd(ref, writable=False)
@@ -295,21 +319,33 @@ class _Stream:
         finally:
             os.close(seg_fd)
         crc = 0
+        view = memoryview(mapping)
+        chunk = previous = None
         try:
-            with memoryview(mapping) as view:
-                for start in range(0, nbytes, WRITE_CHUNK):
-                    # Released even when the write fails: an exported slice would make
-                    # mapping.close() raise BufferError and hide the write's real error.
-                    with view[start : min(start + WRITE_CHUNK, nbytes)] as chunk:
-                        crc = checksum(chunk, crc)
-                        self._write(chunk)
+            for start in range(0, nbytes, WRITE_CHUNK):
+                chunk = view[start : min(start + WRITE_CHUNK, nbytes)]
+                crc = checksum(chunk, crc)  # while the previous chunk is being written
+                self._write(chunk)
+                if previous is not None:
+                    previous.release()
+                previous = chunk
+            self.wait()
         finally:
-            mapping.close()
+            try:
+                self.wait()  # nothing may still read the mapping once it is closed
+            finally:
+                # Released before close: an exported view would make mapping.close()
+                # raise BufferError and hide the write's real error.
+                for held in (chunk, previous, view):
+                    if held is not None:
+                        held.release()
+                mapping.close()
         return crc
 
     def _write(self, data: memoryview) -> None:
         faults.maybe_eio("write")
-        write_all(self.fd, data, self.position)
+        self.wait()
+        self.in_flight = self.writer.submit(write_all, self.fd, data, self.position)
         self.position += len(data)
         self.progress.written += len(data)
 
