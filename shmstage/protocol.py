@@ -107,6 +107,16 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         # cannot see the training stall itself, and reports it in its metrics.
         "stage_seconds": _NUM,
         "slot_wait_seconds": _NUM,
+        # False: sent while the copy still runs, so that the daemon checks and journals it
+        # meanwhile; the daemon answers "prepared" and starts nothing until "ready".
+        "ready": _BOOL,
+    },
+    "ready": {
+        "layout": _INT,
+        "slot": _INT,
+        "job": _INT,
+        "stage_seconds": _NUM,
+        "slot_wait_seconds": _NUM,
     },
     "release": {"layout": _INT},
     "status": {},
@@ -118,6 +128,7 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "segment_fds": {"layout": _INT, "first": _INT},
     "acquired": {"layout": _INT, "slot": _INT, "waited": _NUM},
     "cancelled": {"layout": _INT, "slot": _INT},
+    "prepared": {"layout": _INT, "slot": _INT, "job": _INT},
     "committed": {"layout": _INT, "slot": _INT, "job": _INT},
     "job_done": {"job": _INT, "ok": _BOOL, "result": _MAP},
     "released": {"layout": _INT},
@@ -126,7 +137,10 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "error": {"code": _STR, "message": _STR, "fatal": _BOOL},
 }
 _OPTIONAL: dict[str, frozenset[str]] = {
-    "commit": frozenset({"file_metadata", "metadata", "stage_seconds", "slot_wait_seconds"}),
+    "commit": frozenset(
+        {"file_metadata", "metadata", "stage_seconds", "slot_wait_seconds", "ready"}
+    ),
+    "ready": frozenset({"stage_seconds", "slot_wait_seconds"}),
     # Without "slots" the daemon uses its configured default_slots.
     "register": frozenset({"slots"}),
 }

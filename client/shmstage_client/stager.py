@@ -26,7 +26,7 @@ from shmstage import names, tree
 from shmstage.datafile import SUFFIX
 from shmstage.layout import Layout, LayoutError, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
-from shmstage_client.connection import DaemonConnection
+from shmstage_client.connection import DaemonConnection, RequestHandle
 from shmstage_client.dtypes import safetensors_name, supported
 from shmstage_client.errors import (
     CheckpointExists,
@@ -273,18 +273,21 @@ class Stager:
         global tensor; part of the structure, so a changed offset never reuses buffers.
 
         The same as ``stage(...).commit(path, metadata=...)``, except that the destination
-        is checked and opened before the copy, so a refused destination costs no copy.
+        is checked and opened before the copy, so a refused destination costs no copy, and
+        the commit travels while the copy runs: the daemon checks and journals it
+        meanwhile, and starts nothing until the client reports the copy complete.
         """
         with _collection_paused():
             prepared = _Prepared.of(state_dict, offsets)
             prepared.check(self._layout)  # refuse bad tensors before touching ``path``
             destination = _Destination.create(path, self.data_file, None, metadata)
             try:
-                staged = self._fill(prepared)
+                staged, early = self._fill(prepared, destination)
             except BaseException:
                 destination.abort()
                 raise
-            return staged._commit(destination)
+            assert early is not None
+            return staged._complete(destination, early)
 
     def stage(
         self, state_dict: Any, *, offsets: Mapping[str, Sequence[int]] | None = None
@@ -298,24 +301,32 @@ class Stager:
         ``save()``.
         """
         with _collection_paused():
-            return self._fill(_Prepared.of(state_dict, offsets))
+            staged, _ = self._fill(_Prepared.of(state_dict, offsets), None)
+            return staged
 
-    def _fill(self, prepared: _Prepared) -> Staged:
-        """Reuse or register the layout, take a slot, copy: the stall ``save()`` reports."""
+    def _fill(
+        self, prepared: _Prepared, destination: _Destination | None
+    ) -> tuple[Staged, RequestHandle | None]:
+        """Reuse or register the layout, take a slot, copy: the stall ``save()`` reports.
+
+        With a ``destination`` the commit is sent before the copy starts ("ready": false)
+        and its pending request is returned with the Staged.
+        """
         started = time.perf_counter()
         mapped = self._mapped(prepared)
         setup = time.perf_counter() - started
         slot, slot_wait = self._acquire(mapped)
         staged = Staged(self, mapped, slot, prepared.encoded, slot_wait, setup)
+        early = None if destination is None else staged._send_commit(destination, ready=False)
         copy_started = time.perf_counter()
         try:
             sources = [tensor for _, tensor in prepared.items]
             self._copier.copy(mapped.slots[slot], sources, mapped.groups)
         except BaseException:
-            staged.cancel()
+            staged._abandon(early)
             raise
         staged.stage_seconds = time.perf_counter() - copy_started
-        return staged
+        return staged, early
 
     def _track(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -500,34 +511,65 @@ class Staged:
         self._hand_back()
 
     def _commit(self, destination: _Destination) -> SaveHandle:
+        return self._complete(destination, self._send_commit(destination, ready=True))
+
+    def _timings(self) -> dict[str, float]:
+        return {"stage_seconds": self.stage_seconds, "slot_wait_seconds": self.slot_wait_seconds}
+
+    def _send_commit(self, destination: _Destination, *, ready: bool) -> RequestHandle:
+        """Send the commit; ``ready=False`` before the copy is complete (see ``save``)."""
         with self._lock:
             if self._state != "staged":
                 destination.abort()
                 raise SaveError(f"this staged save was already {self._state}; stage again")
             self._state = "committing"
         target = destination.target
+        body = {
+            "layout": self.layout_id,
+            "slot": self.slot,
+            "data_file": destination.data_file,
+            "data_tmp": target.data_tmp,
+            "manifest_tmp": target.manifest_tmp,
+            "tree": self._encoded,
+            "metadata": destination.metadata,
+            "file_metadata": destination.file_metadata,
+            **(self._timings() if ready else {"ready": False}),
+        }
         try:
-            reply = self._connection.call(
-                "commit",
-                {
-                    "layout": self.layout_id,
-                    "slot": self.slot,
-                    "data_file": destination.data_file,
-                    "data_tmp": target.data_tmp,
-                    "manifest_tmp": target.manifest_tmp,
-                    "tree": self._encoded,
-                    "metadata": destination.metadata,
-                    "file_metadata": destination.file_metadata,
-                    "stage_seconds": self.stage_seconds,
-                    "slot_wait_seconds": self.slot_wait_seconds,
-                },
-                target.fds(),
-                timeout=self._stager.request_timeout,
-            )
+            return self._connection.start("commit", body, target.fds())
         except BaseException:
+            destination.abort()
+            destination.close_fds()
+            self._state = "cancelled"
+            self._hand_back()
+            raise
+
+    def _complete(self, destination: _Destination, request: RequestHandle) -> SaveHandle:
+        """Wait for the commit's answer; after a prepared one, report the copy complete.
+
+        Whatever fails, the temporary files go and the slot is handed back (the daemon
+        drops a prepared commit with it), then this raises.
+        """
+        timeout = self._stager.request_timeout
+        try:
+            try:
+                reply = request.next(timeout)
+            finally:
+                request.finish()
+            if reply.op == "prepared":
+                ready = {"layout": self.layout_id, "slot": self.slot, "job": reply.body["job"]}
+                reply = self._connection.call(
+                    "ready", {**ready, **self._timings()}, timeout=timeout
+                )
+        except BaseException as exc:
             destination.abort()
             self._state = "cancelled"
             self._hand_back()  # the daemon refused (or never saw) the commit: slot is ours
+            if isinstance(exc, SaveError) and "unknown fields ['ready']" in str(exc):
+                raise SaveError(
+                    f"shmstaged at {self._connection.path} is older than this client (it "
+                    "lacks the two-step commit); upgrade shmstaged to the client's version"
+                ) from exc
             raise
         finally:
             destination.close_fds()
@@ -536,7 +578,7 @@ class Staged:
         handle = SaveHandle(
             self._stager,
             job,
-            target.path,
+            destination.target.path,
             self._connection.job_future(job),
             self.stage_seconds,
             self.slot_wait_seconds,
@@ -544,6 +586,15 @@ class Staged:
         )
         self._stager._track(handle)
         return handle
+
+    def _abandon(self, early: RequestHandle | None) -> None:
+        """The copy failed: hand the slot back, dropping a commit sent ahead of it."""
+        if early is not None:
+            with contextlib.suppress(SaveError):
+                early.next(30)  # "prepared" or a refusal: either way the slot is ours
+            early.finish()
+            self._state = "staged"
+        self.cancel()
 
     def _hand_back(self) -> None:
         try:

@@ -179,6 +179,10 @@ def _segment(item: Any) -> tuple[str, int]:
     raise JournalError("entry lists a malformed segment")
 
 
+def _tmp_name(name: str) -> str:
+    return f".{name}{_TMP_SUFFIX}"
+
+
 def entry_for(
     persist: job.PersistJob,
     wire: SlotWire,
@@ -419,8 +423,19 @@ class Journal:
         self, entry: Entry, *, fsync: bool, prepacked: Mapping[str, bytes] | None = None
     ) -> None:
         """Add an entry atomically: whole after a crash, or absent."""
+        self.write_pending(entry, fsync=fsync, prepacked=prepacked)
+        self.publish(entry.name, fsync=fsync)
+
+    def write_pending(
+        self, entry: Entry, *, fsync: bool, prepacked: Mapping[str, bytes] | None = None
+    ) -> None:
+        """Write the entry under its temporary name: not owed yet, and ``load`` drops it.
+
+        A commit the client sends while its copy still runs is journaled this way, and
+        published (``publish``) only once the client says the slot is filled.
+        """
         data = entry.to_bytes(prepacked)
-        tmp = f".{entry.name}{_TMP_SUFFIX}"
+        tmp = _tmp_name(entry.name)
         dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fd = os.open(
@@ -435,15 +450,31 @@ class Journal:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, entry.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            if fsync:
-                os.fsync(dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
             raise
         finally:
             os.close(dir_fd)
+
+    def publish(self, name: str, *, fsync: bool) -> None:
+        """Give a prepared entry its name: from here the job is owed, whatever happens."""
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.rename(_tmp_name(name), name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            if fsync:
+                os.fsync(dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(_tmp_name(name), dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(dir_fd)
+
+    def discard(self, name: str) -> None:
+        """Drop a prepared entry whose commit will not happen."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.directory / _tmp_name(name))
 
     def remove(self, name: str, *, fsync: bool) -> None:
         dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

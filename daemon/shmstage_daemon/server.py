@@ -108,6 +108,8 @@ class Daemon:
         self.journal = journal.Journal(journal.journal_dir(settings.socket_path))
         #: job id -> journal entry name, for jobs acknowledged by this instance.
         self._journaled: dict[int, str] = {}
+        #: job id -> journal entry name, for commits journaled pending (see journal_commit).
+        self._pending_entries: dict[int, str] = {}
         #: Journal entries of dead instances' jobs not finished yet, by entry name.
         self._owed: dict[str, journal.Entry] = {}
         #: journal entry name -> the writer's future, while an owed job is being finished.
@@ -399,11 +401,17 @@ class Daemon:
     def journal_path(self) -> Path:
         return self.journal.directory
 
-    async def journal_commit(self, persist: job.PersistJob, wire: SlotWire, peer: Peer) -> None:
-        """Journal a job before it is acknowledged; raises OSError if the journal fails."""
+    async def journal_commit(
+        self, persist: job.PersistJob, wire: SlotWire, peer: Peer, *, owed: bool = True
+    ) -> None:
+        """Journal a job before it is acknowledged; raises OSError if the journal fails.
+
+        ``owed=False`` writes the entry pending (a commit sent while the client's copy
+        still runs): ``journal_publish`` makes it owed, ``journal_discard`` drops it.
+        """
         loop = asyncio.get_running_loop()
         directory = await loop.run_in_executor(
-            self._journal_io, self._journal_sync, persist, wire, peer, self.fsync
+            self._journal_io, self._journal_sync, persist, wire, peer, self.fsync, owed
         )
         if directory is None:
             log.warning(
@@ -414,10 +422,28 @@ class Daemon:
             )
             return
         persist.destination.path = directory
-        self._journaled[persist.id] = f"{self.instance}.{persist.id}{instance.JOURNAL_SUFFIX}"
+        name = f"{self.instance}.{persist.id}{instance.JOURNAL_SUFFIX}"
+        (self._journaled if owed else self._pending_entries)[persist.id] = name
+
+    async def journal_publish(self, job_id: int) -> None:
+        """Make a pending entry owed (a no-op for a job that could not be journaled)."""
+        name = self._pending_entries.pop(job_id, None)
+        if name is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(
+            self._journal_io, functools.partial(self.journal.publish, name, fsync=self.fsync)
+        )
+        self._journaled[job_id] = name
+
+    def journal_discard(self, job_id: int) -> None:
+        """Drop a pending entry whose commit will not happen."""
+        name = self._pending_entries.pop(job_id, None)
+        if name is not None:
+            loop = asyncio.get_running_loop()
+            self._track(loop.run_in_executor(self._journal_io, self.journal.discard, name))
 
     def _journal_sync(
-        self, persist: job.PersistJob, wire: SlotWire, peer: Peer, fsync: bool
+        self, persist: job.PersistJob, wire: SlotWire, peer: Peer, fsync: bool, owed: bool
     ) -> str | None:
         """Runs in the journal thread: locate the directory, then write the entry."""
         dir_fd = persist.destination.dir_fd
@@ -428,7 +454,10 @@ class Daemon:
         entry = journal.entry_for(
             persist, wire, self.instance, peer, directory, (st.st_dev, st.st_ino)
         )
-        self.journal.record(entry, fsync=fsync, prepacked=wire.packed)
+        if owed:
+            self.journal.record(entry, fsync=fsync, prepacked=wire.packed)
+        else:
+            self.journal.write_pending(entry, fsync=fsync, prepacked=wire.packed)
         return directory
 
     def _unjournal(self, job_id: int) -> None:

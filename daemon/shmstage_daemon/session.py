@@ -26,6 +26,7 @@ from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import PROTOCOL_VERSION, Connection, ErrorCode, Frame, ProtocolError, Role
 from shmstage_daemon import __version__, job
 from shmstage_daemon.admission import Peer, may_write_dir
+from shmstage_daemon.slot import Slot
 from shmstage_daemon.store import StagedLayout, StoreError
 from shmstage_daemon.transport import Transport, close_fds
 
@@ -60,6 +61,9 @@ class Session:
         self.client_name = "?"
         self.open = True
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Commits sent while the client's copy still ran ("ready": false), by job id,
+        #: until its "ready" starts them (or a cancel or disconnect drops them).
+        self._prepared: dict[int, tuple[job.PersistJob, StagedLayout, Slot]] = {}
         self.started = time.time()
 
     @property
@@ -97,6 +101,8 @@ class Session:
         if not self.open:
             return
         self.open = False
+        for job_id in list(self._prepared):
+            self._drop_prepared(job_id)
         for task in self._tasks:
             task.cancel()
         self.conn.close()
@@ -280,6 +286,9 @@ class Session:
     async def _op_cancel(self, frame: Frame) -> None:
         staged = self.store.get(self.id, frame.body["layout"])
         slot = self.store.slot(staged, frame.body["slot"])
+        for job_id, (_, prepared_staged, prepared_slot) in list(self._prepared.items()):
+            if prepared_staged is staged and prepared_slot is slot:
+                self._drop_prepared(job_id)  # back to FILLING, then released below
         self.store.release_slot(self.id, staged, slot)
         await self.send("cancelled", frame.id, {"layout": staged.id, "slot": slot.index})
 
@@ -315,11 +324,7 @@ class Session:
         except BaseException:
             destination.close()
             raise
-        self.daemon.telemetry.staged(
-            staged.layout.nbytes,
-            _finite(body.get("stage_seconds")),
-            _finite(body.get("slot_wait_seconds")),
-        )
+        ready = body.get("ready", True)
         persist = job.PersistJob(
             id=job_id,
             layout=staged.layout,
@@ -341,7 +346,7 @@ class Session:
         )
         try:
             # Durable before acknowledged: a daemon killed after "committed" still owes it.
-            await self.daemon.journal_commit(persist, staged.wire(slot), self.peer)
+            await self.daemon.journal_commit(persist, staged.wire(slot), self.peer, owed=ready)
         except OSError as exc:
             self.daemon.abandon_job(self.id, staged, slot, job_id)
             destination.close()
@@ -350,10 +355,65 @@ class Session:
                 f"cannot journal the checkpoint ({exc.strerror or exc}) in "
                 f"{self.daemon.journal_path}; nothing was written — check that filesystem",
             ) from None
+        reply = {"layout": staged.id, "slot": slot.index, "job": job_id}
+        if ready:
+            self._start(persist, staged, slot, body)
+            await self.send("committed", frame.id, reply)
+            return
+        # Prepared: the client is still copying. The slot stays out of everyone's reach
+        # and the job waits for "ready"; without it (cancel, disconnect) it is dropped.
+        self._prepared[job_id] = (persist, staged, slot)
+        if not self.open:  # the client left while the entry was being written
+            self._drop_prepared(job_id)
+            return
+        await self.send("prepared", frame.id, reply)
+
+    async def _op_ready(self, frame: Frame) -> None:
+        """The client's copy into a prepared commit's slot is complete: start the job."""
+        body = frame.body
+        job_id = body["job"]
+        prepared = self._prepared.get(job_id)
+        if prepared is None or (prepared[1].id, prepared[2].index) != (
+            body["layout"],
+            body["slot"],
+        ):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"no prepared commit {job_id} of slot {body['slot']} of layout {body['layout']}",
+            )
+        persist, staged, slot = self._prepared.pop(job_id)
+        try:
+            await self.daemon.journal_publish(job_id)
+        except OSError as exc:
+            self._prepared[job_id] = (persist, staged, slot)
+            self._drop_prepared(job_id)
+            raise RequestError(
+                ErrorCode.STORAGE,
+                f"cannot journal the checkpoint ({exc.strerror or exc}) in "
+                f"{self.daemon.journal_path}; nothing was written — check that filesystem",
+            ) from None
+        self._start(persist, staged, slot, body)
         await self.send(
             "committed", frame.id, {"layout": staged.id, "slot": slot.index, "job": job_id}
         )
+
+    def _start(
+        self, persist: job.PersistJob, staged: StagedLayout, slot: Slot, timings: dict[str, Any]
+    ) -> None:
+        self.daemon.telemetry.staged(
+            staged.layout.nbytes,
+            _finite(timings.get("stage_seconds")),
+            _finite(timings.get("slot_wait_seconds")),
+        )
         self.daemon.start_job(self, staged, slot, persist)
+
+    def _drop_prepared(self, job_id: int) -> None:
+        """A prepared commit that will not happen: its entry goes, the slot is the client's
+        again (FILLING), its descriptors are closed. Nothing was written."""
+        persist, staged, slot = self._prepared.pop(job_id)
+        self.daemon.journal_discard(job_id)
+        self.daemon.abandon_job(self.id, staged, slot, job_id)
+        persist.destination.close()
 
     def _check_destination(self, destination: job.Destination) -> None:
         """Check the client's descriptors really are what the names say, and writable by it."""

@@ -269,3 +269,53 @@ def test_the_daemon_runs_with_its_hard_descriptor_limit(daemons) -> None:
     limits = Path(f"/proc/{started.proc.pid}/limits").read_text()
     soft, hard = next(line for line in limits.splitlines() if "open files" in line).split()[3:5]
     assert (soft, hard) == ("8192", "8192"), limits
+
+
+def _journal(daemon) -> list[str]:  # type: ignore[no-untyped-def]
+    return sorted(os.listdir(daemon.socket.with_name(daemon.socket.name + ".journal")))
+
+
+def test_a_commit_sent_ahead_of_its_copy_starts_nothing_until_ready(daemon, ckpt: Path) -> None:
+    """save() sends its commit before the copy ("ready": false): the daemon checks and
+    journals it pending, answers "prepared", and writes only after "ready"."""
+    committer = Committer(daemon.socket)
+    frame = committer.commit(destination(ckpt / "c"), ready=False)
+    assert frame.op == "prepared", frame.body
+    job = frame.body["job"]
+    pending = _journal(daemon)
+    assert len(pending) == 1 and pending[0].startswith(".")  # not owed: a reaper ignores it
+    assert not [n for n in os.listdir(ckpt / "c") if not names.is_temp(n)]
+    # A "ready" naming another job or slot is refused; the prepared commit stays.
+    committer.raw.request("ready", {"layout": committer.layout, "slot": 7, "job": job})
+    assert committer.raw.frame().body["code"] == "bad_request"
+    committer.raw.request(
+        "ready",
+        {"layout": committer.layout, "slot": committer.slot, "job": job, "stage_seconds": 0.01},
+    )
+    assert committer.raw.frame().op == "committed"
+    done = committer.job_done()
+    assert done.op == "job_done" and done.body["ok"], done.body
+    assert checkpoint.verify(ckpt / "c") == []
+    wait_for(lambda: _journal(daemon) == [], 10, "the finished job's entry to go")
+    committer.raw.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+def test_a_prepared_commit_that_never_gets_ready_is_dropped(daemon, ckpt: Path, how: str) -> None:
+    committer = Committer(daemon.socket)
+    assert committer.commit(destination(ckpt / "c"), ready=False).op == "prepared"
+    if how == "cancel":
+        committer.raw.request("cancel", {"layout": committer.layout, "slot": committer.slot})
+        assert committer.raw.frame().op == "cancelled"
+        # The slot is free again: it can be acquired and committed once more.
+        committer.raw.request(
+            "acquire", {"layout": committer.layout, "wait": False, "timeout": None}
+        )
+        assert committer.raw.frame().op == "acquired"
+    else:
+        committer.raw.close()
+        wait_for(lambda: daemon.segments() == [], 10, "the client's segments to go")
+    wait_for(lambda: _journal(daemon) == [], 10, "the pending entry to go")
+    assert not [n for n in os.listdir(ckpt / "c") if not names.is_temp(n)]  # nothing published
+    if how == "cancel":
+        committer.raw.close()

@@ -54,6 +54,8 @@ def test_a_trainer_killed_during_the_copy_leaves_nothing(daemons, tmp_path: Path
     kill(trainer)
     # Its session ends, the slot it held is dropped, its segments are unlinked.
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
+    # Its commit, sent ahead of the copy, was only journaled pending; that entry goes too.
+    wait_for(lambda: journal_entries(daemon.socket) == [], 10, "the pending entry to go")
     assert_not_published(tmp_path / "victim")
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(1))
     with Stager(daemon.socket) as stager:  # the daemon serves on
@@ -134,6 +136,27 @@ def test_daemon_killed_during_registration(daemons, tmp_path: Path) -> None:
     with Stager(restarted.socket) as fresh:
         fresh.save(make_state(6), tmp_path / "again").wait(60)
     assert_checkpoint_equals(tmp_path / "again", make_state(6))
+
+
+def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path) -> None:
+    """save() sends its commit ahead of the copy; the daemon journals it only pending. A
+    daemon killed before the client says "ready" owes nothing: the next start drops the
+    pending entry and reaps the segments, and nothing is ever published."""
+    daemon = daemons()
+    trainer = start_trainer(daemon.socket, tmp_path, "copy", 8)
+    read_marker(trainer, "BASE")
+    read_marker(trainer, "COPYING")  # the commit went out before the copy began
+    wait_for(lambda: journal_entries(daemon.socket), 10, "the commit to be journaled pending")
+    pending = journal_entries(daemon.socket)
+    # Written under its temporary name: not owed, and no reaper holds segments for it.
+    assert len(pending) == 1 and pending[0].startswith(".") and pending[0].endswith(".tmp")
+    daemon.kill()
+    restarted = daemons()
+    assert journal_entries(restarted.socket) == []
+    assert instance_clean(daemon.instance)
+    kill(trainer)
+    assert_not_published(tmp_path / "victim")
+    assert_checkpoint_equals(tmp_path / "base", single_tensor_state(8))
 
 
 # The earlier one-tensor save never reaches "mid-stream", but does reach "before-manifest".
