@@ -41,3 +41,12 @@ def raw_client(daemon: RunningDaemon) -> Iterator[Callable[..., RawClient]]:
     yield make
     for client in made:
         client.close()
+
+
+@pytest.fixture
+def instance_id() -> Iterator[str]:
+    """A daemon instance id for in-process tests of jobs and the journal; its segments go."""
+    made = segment.new_instance_id()
+    yield made
+    for name in segment.list_names(made):
+        segment.unlink(name)

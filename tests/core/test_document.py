@@ -39,24 +39,14 @@ def test_nan_is_refused_rather_than_written_as_a_non_standard_token() -> None:
         render({"format": "f", "version": 1, "metadata": {"loss": float("nan")}})
 
 
-def test_other_formats_and_versions_are_refused_naming_the_fix() -> None:
-    with pytest.raises(NotOurs, match="is not a test document"):
-        parse(
-            b'{"format": "other"}',
-            fmt="f",
-            version=1,
-            where="x",
-            kind="test document",
-            error=NotOurs,
-        )
-    with pytest.raises(NotOurs, match="upgrade shmstage"):
-        parse(
-            b'{"format": "f", "version": 2}',
-            fmt="f",
-            version=1,
-            where="x",
-            kind="test document",
-            error=NotOurs,
-        )
-    with pytest.raises(NotOurs, match="not valid JSON"):
-        parse(b"{", fmt="f", version=1, where="x", kind="test document", error=NotOurs)
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"format": "other"}', "is not a test document"),
+        (b'{"format": "f", "version": 2}', "upgrade shmstage"),
+        (b"{", "not valid JSON"),
+    ],
+)
+def test_other_formats_and_versions_are_refused_naming_the_fix(data: bytes, message: str) -> None:
+    with pytest.raises(NotOurs, match=message):
+        parse(data, fmt="f", version=1, where="x", kind="test document", error=NotOurs)

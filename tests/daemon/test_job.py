@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from harness import staged_job
 from safetensors import safe_open
 from shmstage_daemon import job
 
-from shmstage import checkpoint, segment
+from shmstage import checkpoint
 from shmstage.layout import TensorSpec
-
-
-@pytest.fixture
-def instance_id():  # type: ignore[no-untyped-def]
-    made = segment.new_instance_id()
-    yield made
-    for name in segment.list_names(made):
-        segment.unlink(name)
 
 
 def pattern(index: int, nbytes: int) -> bytes:

@@ -43,14 +43,6 @@ def entry_of(persist: job.PersistJob, instance_id: str, peer: Peer = ROOT) -> jo
     return journal.entry_for(persist, wire, instance_id, peer, path, (st.st_dev, st.st_ino))
 
 
-@pytest.fixture
-def instance_id():  # type: ignore[no-untyped-def]
-    made = segment.new_instance_id()
-    yield made
-    for name in segment.list_names(made):
-        segment.unlink(name)
-
-
 def test_entries_round_trip_and_malformed_ones_are_refused(tmp_path: Path, instance_id) -> None:
     persist = staged_job(tmp_path / "c", instance_id)
     entry = entry_of(persist, instance_id)
