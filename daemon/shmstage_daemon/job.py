@@ -238,15 +238,20 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     # none can land in a descriptor that was closed and reused after a failure.
     with concurrent.futures.ThreadPoolExecutor(1, "shmstage-write") as writer:
         stream = _Stream(fd, len(job.header), job.progress, writer)
-        pairs = zip(job.layout.tensors, job.segments, strict=True)
-        for index, (spec, ref) in enumerate(pairs):
-            if index == 1:
-                stream.flush()  # "mid-stream" means the first tensor is in the file
-                stream.wait()
-                faults.pause("mid-stream")
-            checksums.append(stream.add(ref, spec.nbytes))
-        stream.flush()
-        stream.wait()
+        try:
+            pairs = zip(job.layout.tensors, job.segments, strict=True)
+            for index, (spec, ref) in enumerate(pairs):
+                if index == 1:
+                    stream.flush()  # "mid-stream" means the first tensor is in the file
+                    stream.wait()
+                    faults.pause("mid-stream")
+                checksums.append(stream.add(ref, spec.nbytes))
+            stream.flush()
+            stream.wait()
+        finally:
+            with contextlib.suppress(BaseException):
+                stream.wait()  # the error, if any, is already on its way out
+            stream.close()
     os.ftruncate(fd, size)
     job.progress.phase = "syncing"
     step.now = f"syncing {job.destination.data_file}"
@@ -276,7 +281,11 @@ class _Stream:
         self.position = position
         self.progress = progress
         self.writer = writer
-        self.buffers = [memoryview(bytearray(GATHER_BUFFER)) for _ in range(2)]
+        #: Two gather buffers, mapped on first use and unmapped by ``close``: anonymous
+        #: mappings go back to the OS, where 16 MiB heap blocks stayed in malloc's arenas
+        #: (daemon RSS grew to ~190 MiB under 8 concurrent clients).
+        self._maps: list[mmap.mmap] = []
+        self.buffers: list[memoryview] = []
         self.current = 0
         self.filled = 0
         self.in_flight: concurrent.futures.Future[None] | None = None
@@ -290,6 +299,9 @@ class _Stream:
             return self._write_mapped(ref, nbytes)
         if self.filled + nbytes > GATHER_BUFFER:
             self.flush()
+        if not self.buffers:
+            self._maps = [mmap.mmap(-1, GATHER_BUFFER) for _ in range(2)]
+            self.buffers = [memoryview(m) for m in self._maps]
         target = self.buffers[self.current][self.filled : self.filled + nbytes]
         seg_fd = segment.open_fd(ref, writable=False)
         try:
@@ -305,6 +317,14 @@ class _Stream:
             self._write(self.buffers[self.current][: self.filled])
             self.current ^= 1
             self.filled = 0
+
+    def close(self) -> None:
+        """Unmap the gather buffers; call only once no write is in flight."""
+        for view in self.buffers:
+            view.release()
+        for mapping in self._maps:
+            mapping.close()
+        self.buffers, self._maps = [], []
 
     def wait(self) -> None:
         """Until the write in flight is done; raises its error."""
