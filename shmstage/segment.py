@@ -152,32 +152,6 @@ def open_fd(ref: SegmentRef, *, writable: bool) -> int:
     return shm.fd
 
 
-class Mapping:
-    """A shared mapping of a segment that holds no file descriptor.
-
-    Python's ``mmap.mmap`` keeps a dup of the descriptor for the mapping's whole life (until
-    3.13's ``trackfd=False``): 20,000 staged segments would pin 20,000 descriptors and run
-    a trainer out of RLIMIT_NOFILE. Mapping with libc's mmap(2) directly holds none.
-    """
-
-    def __init__(self, fd: int, size: int, *, writable: bool) -> None:
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        address = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
-        if address in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise SegmentError(err, f"cannot map a {size}-byte segment: {os.strerror(err)}")
-        self.address: int = address
-        self.size = size
-        #: A buffer-protocol view of the mapping (for torch.frombuffer / memoryview).
-        self.buffer = (ctypes.c_char * size).from_address(address)
-
-    def close(self) -> None:
-        """Unmap. Any view of ``buffer`` still alive must never be touched again."""
-        if self.address:
-            _libc.munmap(self.address, self.size)
-            self.address = 0
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -197,26 +171,16 @@ _MAP_FIXED: Final = getattr(mmap, "MAP_FIXED", 0x10)
 _MAP_NORESERVE: Final = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
-def map_fd(fd: int, size: int, *, writable: bool) -> Mapping:
-    """Map a segment descriptor; the descriptor may (and should) be closed right after."""
-    _check_size(fd, size)
-    return Mapping(fd, size, writable=writable)
-
-
-def _check_size(fd: int, size: int) -> None:
-    actual = os.fstat(fd).st_size
-    if actual < size:
-        raise SegmentError(errno.EINVAL, f"segment is {actual} bytes but {size} were expected")
-
-
 class Region:
     """Segments mapped back to back, each at the next page boundary of one address range.
 
     A slot's segments mapped here form one contiguous range, so CUDA can pin the slot with
     a few ``cudaHostRegister`` calls instead of one per tensor (20,000 calls took 2.4 s for
     a 10,000-tensor layout with two slots on the H200 host), and one ``munmap`` undoes it.
-    The range is reserved up front (no access, no memory); like Mapping it holds no
-    descriptor.
+    The range is reserved up front (no access, no memory). Mapping goes through libc's
+    mmap(2), not ``mmap.mmap``, which keeps a dup of the descriptor for the mapping's life
+    (until 3.13's ``trackfd=False``): 20,000 staged segments would pin 20,000 descriptors
+    and run a trainer out of RLIMIT_NOFILE. A region holds none.
     """
 
     def __init__(self, sizes: Sequence[int]) -> None:
@@ -240,7 +204,9 @@ class Region:
     def map(self, index: int, fd: int, *, writable: bool) -> None:
         """Map segment ``index`` from ``fd`` at its place; the descriptor may be closed."""
         size = self.sizes[index]
-        _check_size(fd, size)
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise SegmentError(errno.EINVAL, f"segment is {actual} bytes but {size} were expected")
         want = self.address + self.offsets[index]
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         got = _libc.mmap(want, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)

@@ -75,22 +75,24 @@ class _Flattener:
                         f"{_show(path)}: dict key {child!r} of type {type(child).__name__} is "
                         "not supported (use str or int keys)"
                     )
-                path.append(child)
-                items.append([child, self.walk(value, _join(key, child, len(path)))])
-                path.pop()
+                items.append([child, self._child(child, value, key)])
             return {"d": items}
         if isinstance(node, list | tuple):
-            encoded = []
-            for i, value in enumerate(node):
-                path.append(i)
-                encoded.append(self.walk(value, _join(key, i, len(path))))
-                path.pop()
+            encoded = [self._child(i, value, key) for i, value in enumerate(node)]
             return {"l" if isinstance(node, list) else "t": encoded}
         raise TreeError(
             f"{_show(path)}: value of type {type(node).__module__}.{type(node).__qualname__} "
             "cannot be checkpointed (supported: tensors, dict, list, tuple, int, float, str, "
             "bool, None)"
         )
+
+    def _child(self, part: str | int, value: Any, parent: str) -> Any:
+        """Encode one child; its flat key is the parent's plus ``.part``."""
+        path = self.path
+        path.append(part)
+        encoded = self.walk(value, parent + "." + str(part) if len(path) > 1 else str(part))
+        path.pop()
+        return encoded
 
 
 def unflatten(encoded: Any, tensor: Callable[[str], Any]) -> Any:
@@ -143,11 +145,6 @@ def _key(pair: Any) -> str | int:
     ):
         raise TreeError(f"malformed dict entry {pair!r:.80}")
     return pair[0]
-
-
-def _join(parent: str, child: str | int, depth: int) -> str:
-    """The flat key of a child: its path's parts joined by dots (``optim.state.0.exp_avg``)."""
-    return parent + "." + str(child) if depth > 1 else str(child)
 
 
 def _show(path: Sequence[Any]) -> str:

@@ -38,6 +38,11 @@ class PinError(RuntimeError):
     """Registration failed; the message names the CUDA error and what happens instead."""
 
 
+#: What a pinning attempt may fail with (no libcudart, a CUDA error, a missing symbol);
+#: each means unpinned copies, never a failed save.
+PIN_FAILURES: Final = (PinError, OSError, AttributeError)
+
+
 class _Runtime:
     """The few CUDA runtime entry points pinning needs, from torch's own libcudart."""
 
@@ -144,7 +149,7 @@ def try_pin(buffers: list[torch.Tensor]) -> PinnedRanges | None:
     ranges = PinnedRanges()
     try:
         ranges.register(buffers)
-    except (PinError, OSError, AttributeError) as exc:
+    except PIN_FAILURES as exc:
         warnings.warn(
             f"shmstage: could not pin the staging segments ({exc}); GPU copies will run "
             "unpinned, at roughly a third of pinned bandwidth",

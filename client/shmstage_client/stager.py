@@ -282,11 +282,16 @@ class Stager:
             prepared.check(self._layout)  # refuse bad tensors before touching ``path``
             destination = _Destination.create(path, self.data_file, None, metadata)
             try:
-                staged, early = self._fill(prepared, destination)
+                staged = self._claim(prepared)
             except BaseException:
                 destination.abort()
                 raise
-            assert early is not None
+            early = staged._send_commit(destination, ready=False)
+            try:
+                self._copy(staged, prepared, early)
+            except BaseException:
+                destination.abort()
+                raise
             return staged._complete(destination, early)
 
     def stage(
@@ -301,32 +306,31 @@ class Stager:
         ``save()``.
         """
         with _collection_paused():
-            staged, _ = self._fill(_Prepared.of(state_dict, offsets), None)
+            prepared = _Prepared.of(state_dict, offsets)
+            staged = self._claim(prepared)
+            self._copy(staged, prepared, None)
             return staged
 
-    def _fill(
-        self, prepared: _Prepared, destination: _Destination | None
-    ) -> tuple[Staged, RequestHandle | None]:
-        """Reuse or register the layout, take a slot, copy: the stall ``save()`` reports.
-
-        With a ``destination`` the commit is sent before the copy starts ("ready": false)
-        and its pending request is returned with the Staged.
-        """
+    def _claim(self, prepared: _Prepared) -> Staged:
+        """Reuse or register the layout and take a slot: the stall before the copy."""
         started = time.perf_counter()
         mapped = self._mapped(prepared)
         setup = time.perf_counter() - started
         slot, slot_wait = self._acquire(mapped)
-        staged = Staged(self, mapped, slot, prepared.encoded, slot_wait, setup)
-        early = None if destination is None else staged._send_commit(destination, ready=False)
+        return Staged(self, mapped, slot, prepared.encoded, slot_wait, setup)
+
+    def _copy(self, staged: Staged, prepared: _Prepared, early: RequestHandle | None) -> None:
+        """Copy into the staged slot; on failure hand it back, with the commit sent ahead of
+        the copy (``early``) if there is one."""
+        mapped = staged.mapped
         copy_started = time.perf_counter()
         try:
             sources = [tensor for _, tensor in prepared.items]
-            self._copier.copy(mapped.slots[slot], sources, mapped.groups)
+            self._copier.copy(mapped.slots[staged.slot], sources, mapped.groups)
         except BaseException:
             staged._abandon(early)
             raise
         staged.stage_seconds = time.perf_counter() - copy_started
-        return staged, early
 
     def _track(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -457,6 +461,7 @@ class Staged:
     ) -> None:
         self._stager = stager
         self._connection = stager._connection  # the daemon gave the slot to this session
+        self.mapped = mapped
         self.layout_id = mapped.id
         self.slot = slot
         self.nbytes = mapped.layout.nbytes
@@ -538,10 +543,7 @@ class Staged:
         try:
             return self._connection.start("commit", body, target.fds())
         except BaseException:
-            destination.abort()
-            destination.close_fds()
-            self._state = "cancelled"
-            self._hand_back()
+            self._give_up(destination)
             raise
 
     def _complete(self, destination: _Destination, request: RequestHandle) -> SaveHandle:
@@ -562,9 +564,7 @@ class Staged:
                     "ready", {**ready, **self._timings()}, timeout=timeout
                 )
         except BaseException as exc:
-            destination.abort()
-            self._state = "cancelled"
-            self._hand_back()  # the daemon refused (or never saw) the commit: slot is ours
+            self._give_up(destination)
             if isinstance(exc, SaveError) and "unknown fields ['ready']" in str(exc):
                 raise SaveError(
                     f"shmstaged at {self._connection.path} is older than this client (it "
@@ -587,14 +587,23 @@ class Staged:
         self._stager._track(handle)
         return handle
 
+    def _give_up(self, destination: _Destination) -> None:
+        """The commit will not happen: remove its temporary files, hand the slot back (the
+        daemon refused or never saw the commit, or drops the prepared one with it)."""
+        destination.abort()  # also closes its descriptors
+        self._state = "cancelled"
+        self._hand_back()
+
     def _abandon(self, early: RequestHandle | None) -> None:
         """The copy failed: hand the slot back, dropping a commit sent ahead of it."""
-        if early is not None:
-            with contextlib.suppress(SaveError):
-                early.next(30)  # "prepared" or a refusal: either way the slot is ours
-            early.finish()
-            self._state = "staged"
-        self.cancel()
+        if early is None:
+            self.cancel()
+            return
+        with contextlib.suppress(SaveError):
+            early.next(30)  # "prepared" or a refusal: either way the slot is ours
+        early.finish()
+        self._state = "cancelled"
+        self._hand_back()
 
     def _hand_back(self) -> None:
         try:

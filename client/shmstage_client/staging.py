@@ -26,7 +26,7 @@ import torch
 from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
-from shmstage_client.pinning import PinError, PinnedRanges, try_pin
+from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, try_pin
 
 log = logging.getLogger("shmstage.client")
 
@@ -120,7 +120,7 @@ class MappedLayout:
         try:
             ranges.register(pieces)
             return ranges
-        except (PinError, OSError, AttributeError) as exc:
+        except PIN_FAILURES as exc:
             log.info("pinning whole slots failed (%s); pinning segment by segment", exc)
         return try_pin([_raw(view) for view in self._views])  # before complete() splits them
 

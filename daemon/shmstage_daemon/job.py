@@ -234,24 +234,14 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     write_all(fd, job.header, 0)
     checksums = []
     job.progress.phase = "writing"
-    # Leaving the with-block waits for the writer: no write outlives this function, so
-    # none can land in a descriptor that was closed and reused after a failure.
-    with concurrent.futures.ThreadPoolExecutor(1, "shmstage-write") as writer:
-        stream = _Stream(fd, len(job.header), job.progress, writer)
-        try:
-            pairs = zip(job.layout.tensors, job.segments, strict=True)
-            for index, (spec, ref) in enumerate(pairs):
-                if index == 1:
-                    stream.flush()  # "mid-stream" means the first tensor is in the file
-                    stream.wait()
-                    faults.pause("mid-stream")
-                checksums.append(stream.add(ref, spec.nbytes))
-            stream.flush()
-            stream.wait()
-        finally:
-            with contextlib.suppress(BaseException):
-                stream.wait()  # the error, if any, is already on its way out
-            stream.close()
+    with _Stream(fd, len(job.header), job.progress) as stream:
+        pairs = zip(job.layout.tensors, job.segments, strict=True)
+        for index, (spec, ref) in enumerate(pairs):
+            if index == 1:
+                stream.drain()  # "mid-stream" means the first tensor is in the file
+                faults.pause("mid-stream")
+            checksums.append(stream.add(ref, spec.nbytes))
+        stream.drain()
     os.ftruncate(fd, size)
     job.progress.phase = "syncing"
     step.now = f"syncing {job.destination.data_file}"
@@ -269,18 +259,18 @@ class _Stream:
     tensor under GATHER_BYTES costs less than that. Larger tensors are written straight
     from their mapping, chunk by chunk.
 
-    Writes run on ``writer`` (one thread), one at a time, while this thread checksums and
-    gathers the next buffer or chunk (crc32c and pwrite both release the GIL): serially,
-    checksumming 1 GiB added 0.1 s to its 0.2 s of writing on the H200 host.
+    Writes run on a thread of the stream's own, one at a time, while this thread checksums
+    and gathers the next buffer or chunk (crc32c and pwrite both release the GIL):
+    serially, checksumming 1 GiB added 0.1 s to its 0.2 s of writing on the H200 host.
+    Leaving the stream (a context manager) waits for that thread, so no write outlives the
+    job and none can land in a descriptor that was closed and reused after a failure.
     """
 
-    def __init__(
-        self, fd: int, position: int, progress: Progress, writer: concurrent.futures.Executor
-    ) -> None:
+    def __init__(self, fd: int, position: int, progress: Progress) -> None:
         self.fd = fd
         self.position = position
         self.progress = progress
-        self.writer = writer
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, "shmstage-write")
         #: Two gather buffers, mapped on first use and unmapped by ``close``: anonymous
         #: mappings go back to the OS, where 16 MiB heap blocks stayed in malloc's arenas
         #: (daemon RSS grew to ~190 MiB under 8 concurrent clients).
@@ -318,13 +308,23 @@ class _Stream:
             self.current ^= 1
             self.filled = 0
 
-    def close(self) -> None:
-        """Unmap the gather buffers; call only once no write is in flight."""
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the writer thread (after its last write), then unmap the gather buffers."""
+        with contextlib.suppress(BaseException):
+            self.wait()  # after a failure: that error is already on its way out
+        self.writer.shutdown(wait=True)
         for view in self.buffers:
             view.release()
         for mapping in self._maps:
             mapping.close()
-        self.buffers, self._maps = [], []
+
+    def drain(self) -> None:
+        """Write everything gathered and wait until it is written; raises a write error."""
+        self.flush()
+        self.wait()
 
     def wait(self) -> None:
         """Until the write in flight is done; raises its error."""
@@ -349,10 +349,9 @@ class _Stream:
                 if previous is not None:
                     previous.release()
                 previous = chunk
-            self.wait()
         finally:
             try:
-                self.wait()  # nothing may still read the mapping once it is closed
+                self.wait()  # raises a write error; nothing may read the mapping once closed
             finally:
                 # Released before close: an exported view would make mapping.close()
                 # raise BufferError and hide the write's real error.

@@ -348,13 +348,8 @@ class Session:
             # Durable before acknowledged: a daemon killed after "committed" still owes it.
             await self.daemon.journal_commit(persist, staged.wire(slot), self.peer, owed=ready)
         except OSError as exc:
-            self.daemon.abandon_job(self.id, staged, slot, job_id)
-            destination.close()
-            raise RequestError(
-                ErrorCode.STORAGE,
-                f"cannot journal the checkpoint ({exc.strerror or exc}) in "
-                f"{self.daemon.journal_path}; nothing was written — check that filesystem",
-            ) from None
+            self._abandon_commit(job_id, persist, staged, slot)
+            raise self._journal_failed(exc) from None
         reply = {"layout": staged.id, "slot": slot.index, "job": job_id}
         if ready:
             self._start(persist, staged, slot, body)
@@ -371,27 +366,19 @@ class Session:
     async def _op_ready(self, frame: Frame) -> None:
         """The client's copy into a prepared commit's slot is complete: start the job."""
         body = frame.body
-        job_id = body["job"]
-        prepared = self._prepared.get(job_id)
-        if prepared is None or (prepared[1].id, prepared[2].index) != (
-            body["layout"],
-            body["slot"],
-        ):
+        job_id, layout_id, slot_index = body["job"], body["layout"], body["slot"]
+        persist, staged, slot = self._prepared.get(job_id, (None, None, None))
+        if persist is None or (staged.id, slot.index) != (layout_id, slot_index):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"no prepared commit {job_id} of slot {body['slot']} of layout {body['layout']}",
+                f"no prepared commit {job_id} of slot {slot_index} of layout {layout_id}",
             )
-        persist, staged, slot = self._prepared.pop(job_id)
+        del self._prepared[job_id]
         try:
             await self.daemon.journal_publish(job_id)
         except OSError as exc:
-            self._prepared[job_id] = (persist, staged, slot)
-            self._drop_prepared(job_id)
-            raise RequestError(
-                ErrorCode.STORAGE,
-                f"cannot journal the checkpoint ({exc.strerror or exc}) in "
-                f"{self.daemon.journal_path}; nothing was written — check that filesystem",
-            ) from None
+            self._abandon_commit(job_id, persist, staged, slot)
+            raise self._journal_failed(exc) from None
         self._start(persist, staged, slot, body)
         await self.send(
             "committed", frame.id, {"layout": staged.id, "slot": slot.index, "job": job_id}
@@ -408,12 +395,24 @@ class Session:
         self.daemon.start_job(self, staged, slot, persist)
 
     def _drop_prepared(self, job_id: int) -> None:
-        """A prepared commit that will not happen: its entry goes, the slot is the client's
-        again (FILLING), its descriptors are closed. Nothing was written."""
-        persist, staged, slot = self._prepared.pop(job_id)
+        """A prepared commit that will not happen (cancel, disconnect)."""
+        self._abandon_commit(job_id, *self._prepared.pop(job_id))
+
+    def _abandon_commit(
+        self, job_id: int, persist: job.PersistJob, staged: StagedLayout, slot: Slot
+    ) -> None:
+        """A commit never acknowledged: a pending journal entry goes, the slot is the
+        client's again (FILLING), its descriptors are closed. Nothing was written."""
         self.daemon.journal_discard(job_id)
         self.daemon.abandon_job(self.id, staged, slot, job_id)
         persist.destination.close()
+
+    def _journal_failed(self, exc: OSError) -> RequestError:
+        return RequestError(
+            ErrorCode.STORAGE,
+            f"cannot journal the checkpoint ({exc.strerror or exc}) in "
+            f"{self.daemon.journal_path}; nothing was written — check that filesystem",
+        )
 
     def _check_destination(self, destination: job.Destination) -> None:
         """Check the client's descriptors really are what the names say, and writable by it."""

@@ -11,6 +11,13 @@ import pytest
 from shmstage import segment
 
 
+def mapped(ref: segment.SegmentRef, fd: int, *, writable: bool) -> segment.Region:
+    """One segment in a region of its own."""
+    region = segment.Region([ref.size])
+    region.map(0, fd, writable=writable)
+    return region
+
+
 def test_create_reserves_and_restricts() -> None:
     instance = segment.new_instance_id()
     ref = segment.create(instance, 10_000)
@@ -22,16 +29,14 @@ def test_create_reserves_and_restricts() -> None:
         assert segment.instance_of(ref.name) == instance
         assert segment.list_names(instance) == [ref.name]
         fd = segment.open_fd(ref, writable=True)
-        mapping = segment.map_fd(fd, ref.size, writable=True)
+        mapping = mapped(ref, fd, writable=True)
         os.close(fd)
-        memoryview(mapping.buffer).cast("B")[:3] = b"abc"  # the mapping outlives its descriptor
+        memoryview(mapping.buffer(0)).cast("B")[:3] = b"abc"  # it outlives its descriptor
         assert os.listdir("/proc/self/fd").count(str(fd)) == 0 or True
         mapping.close()
-        reread = segment.map_fd(
-            fd2 := segment.open_fd(ref, writable=False), ref.size, writable=False
-        )
+        reread = mapped(ref, fd2 := segment.open_fd(ref, writable=False), writable=False)
         os.close(fd2)
-        assert bytes(memoryview(reread.buffer).cast("B")[:3]) == b"abc"
+        assert bytes(memoryview(reread.buffer(0)).cast("B")[:3]) == b"abc"
         reread.close()
     finally:
         assert segment.unlink(ref.name)
@@ -45,7 +50,7 @@ def test_mappings_hold_no_descriptor() -> None:
     try:
         fd = segment.open_fd(ref, writable=True)
         before = len(os.listdir("/proc/self/fd"))
-        mappings = [segment.map_fd(fd, ref.size, writable=True) for _ in range(50)]
+        mappings = [mapped(ref, fd, writable=True) for _ in range(50)]
         assert len(os.listdir("/proc/self/fd")) == before
         os.close(fd)
         for mapping in mappings:

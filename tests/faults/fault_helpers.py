@@ -192,18 +192,10 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real, tiny tmpfs: ENOSPC comes from the kernel, not from a mock."""
     require_root("a small tmpfs")
     where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs CAP_SYS_ADMIN")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+    with _mounted(
+        ["-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs"], where, "a tmpfs"
+    ) as mounted:
+        yield mounted
 
 
 @contextlib.contextmanager
@@ -221,11 +213,16 @@ def loop_ext4(where: Path, image: Path, size_mib: int = 32) -> Iterator[Path]:
     )
     if made.returncode != 0:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
-    done = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(where)], capture_output=True, text=True, timeout=60
-    )
+    with _mounted(["-o", "loop", str(image)], where, "a loop-mounted ext4") as mounted:
+        yield mounted
+
+
+@contextlib.contextmanager
+def _mounted(args: list[str], where: Path, what: str) -> Iterator[Path]:
+    """``mount ARGS WHERE`` for the block, lazily unmounted after; skips if it cannot."""
+    done = subprocess.run(["mount", *args, str(where)], capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
-        pytest.skip(f"cannot loop-mount ext4 here ({done.stderr.strip()})")
+        pytest.skip(f"cannot mount {what} here ({done.stderr.strip()}); needs CAP_SYS_ADMIN")
     try:
         yield where
     finally:
