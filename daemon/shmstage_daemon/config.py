@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import grp
 import json
+import math
 import os
 import pwd
 import tomllib
@@ -214,9 +215,15 @@ def _absolute_path(value: Any) -> Path:
 
 
 def _seconds(value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    """0 is allowed: stop the writers at once and leave the journaled jobs to the next start."""
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    ):
         return float(value)
-    raise _Invalid("expected a number of seconds > 0")
+    raise _Invalid("expected a finite number of seconds >= 0")
 
 
 def _optional_port(value: Any) -> int | None:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -351,12 +352,13 @@ def _check_segments(entry: Entry) -> list[SegmentRef]:
     return refs
 
 
-def recover(entry: Entry) -> job.JobResult:
+def recover(entry: Entry, stop: threading.Event | None = None) -> job.JobResult:
     """Finish a journaled job (runs in a writer thread; never raises).
 
     A job whose commit marker the killed daemon already wrote needs no staged bytes, only
     the directory synced; any other needs every segment it staged, or it is given up and
-    whatever it had put in the directory removed.
+    whatever it had put in the directory removed. ``stop``: the daemon's stop request, as
+    for any job (an interrupted recovery stays owed).
     """
     try:
         layout = Layout.from_wire(entry.tensors, max_tensors=1 << 30)
@@ -383,6 +385,7 @@ def recover(entry: Entry) -> job.JobResult:
         save_info={**entry.save_info, "recovered_by_restart": True},
         fsync=entry.fsync,
         peer=entry.peer(),
+        stop=stop if stop is not None else threading.Event(),
     )
     return job.run(persist)
 

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -210,7 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = Service(
         daemon, notifier, config, functools.partial(load, args.config, overrides), settings_of
     )
-    return asyncio.run(service.run())
+    status = asyncio.run(service.run())
+    if daemon.abandoned_writers:
+        # A writer is stuck in the kernel (hung storage): a normal exit would join its
+        # thread forever. Everything it owed is journaled, so leave without it.
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

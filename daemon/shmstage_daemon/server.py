@@ -17,6 +17,7 @@ import os
 import resource
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ T = TypeVar("T")
 #: How long a refused peer gets to read why, and how many may be reading at once.
 REFUSAL_LINGER_S = 2.0
 MAX_LINGERING_REFUSALS = 64
+#: After ``shutdown_timeout``, how long writers get to notice the stop request. A writer
+#: stops at its next chunk (tens of milliseconds) or after an fsync in progress; one stuck
+#: in the kernel for longer is left behind (the process exits without it, see ``main``).
+STOP_GRACE_S = 15.0
 
 
 class StartupError(Exception):
@@ -114,6 +119,15 @@ class Daemon:
         self._owed: dict[str, journal.Entry] = {}
         #: journal entry name -> the writer's future, while an owed job is being finished.
         self.recovering: dict[str, asyncio.Future[job.JobResult]] = {}
+        #: Set when the stop can wait no longer: every job stops at its next write, leaving
+        #: its files, segments and journal entry for the next start.
+        self._stop_writers = threading.Event()
+        #: Segments of jobs this instance stopped (or never started) before they were
+        #: durable: the journal still owes them, so they outlive this process.
+        self._owed_at_exit: set[str] = set()
+        #: Writers still running when the daemon had to go (storage hung): ``main`` exits
+        #: without joining them.
+        self.abandoned_writers = False
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -253,6 +267,15 @@ class Daemon:
             transport.close()
 
     async def _shutdown(self) -> None:
+        """Stop serving, let checkpoints being written finish, and leave nothing behind —
+        except what the journal still vouches for.
+
+        Past ``shutdown_timeout`` the writers are asked to stop (``job.JobInterrupted``):
+        each leaves its temporary files, and the daemon leaves the staged segments, the
+        journal entry and its lock file (which names the journal to reapers), so the next
+        start on this socket finishes the checkpoint. A stop must never turn an
+        acknowledged checkpoint into a failed one.
+        """
         if self._listener is not None:
             self._listener.close()
             if not self.activated:
@@ -260,34 +283,42 @@ class Daemon:
                     self.settings.socket_path.unlink()
         pending = [record.future for record in self.jobs.values()]
         pending += list(self.recovering.values())
-        owed: set[str] = set()  # segments of acknowledged jobs still being written
         if pending:
             log.info(
-                "waiting up to %.0f s for %d checkpoint(s) being written",
-                self.settings.shutdown_timeout,
+                "waiting up to %s for %d checkpoint(s) being written",
+                format_seconds(self.settings.shutdown_timeout),
                 len(pending),
             )
             _done, not_done = await asyncio.wait(pending, timeout=self.settings.shutdown_timeout)
             if not_done:
-                owed = {
-                    ref.name
-                    for record in self.jobs.values()
-                    if record.future in not_done
-                    for ref in record.persist.segments
-                }
                 log.error(
-                    "%d checkpoint(s) did not finish within %.0f s; leaving them to the "
-                    "writer still running and, should it not finish, to the next start "
-                    "(journal %s)",
+                    "%d checkpoint(s) did not finish within %s; stopping their writers — "
+                    "their files, staged segments and journal entries stay, and the next "
+                    "start on %s finishes them (journal %s)",
                     len(not_done),
-                    self.settings.shutdown_timeout,
+                    format_seconds(self.settings.shutdown_timeout),
+                    self.settings.socket_path,
                     self.journal.directory,
                 )
+                self._stop_writers.set()
+                _done, stuck = await asyncio.wait(not_done, timeout=STOP_GRACE_S)
+                if stuck:
+                    self.abandoned_writers = True
+                    for record in self.jobs.values():
+                        if record.future in stuck:
+                            self._keep_for_journal(record)
+                    log.error(
+                        "%d writer(s) did not stop within %s (storage not answering?); "
+                        "exiting without them — the journal still owes their checkpoints",
+                        len(stuck),
+                        format_seconds(STOP_GRACE_S),
+                    )
         await self._flush_sessions()
         for session in list(self.sessions.values()):
             session.close()
         if self._pending_unlinks:
             await asyncio.wait(self._pending_unlinks, timeout=10)
+        owed = self._owed_at_exit
         leftover = set(self.store.all_segment_names() + segment.list_names(self.instance))
         leftover -= owed
         for name in leftover:
@@ -297,11 +328,20 @@ class Daemon:
         self._journal_io.shutdown(wait=False, cancel_futures=True)
         if self._lock is not None:
             if owed:
-                # Held until this process exits, then names the journal to every reaper.
-                log.info("instance lock kept until the unfinished writers exit")
+                # The lock file stays: it names the journal, so reapers leave the owed
+                # segments alone; the flock goes with this process.
+                owes = len(self._owed_jobs())
+                log.info("instance lock file kept: the journal owes %d job(s)", owes)
             else:
                 self._lock.release()
-        log.info("stopped; %d segment(s) unlinked at exit", len(set(leftover)))
+        log.info("stopped; %d segment(s) unlinked at exit", len(leftover))
+
+    def _keep_for_journal(self, record: JobRecord) -> None:
+        """A job that will not finish in this process: its segments outlive it."""
+        self._owed_at_exit.update(ref.name for ref in record.persist.segments)
+
+    def _owed_jobs(self) -> list[str]:
+        return list(self._journaled.values()) + list(self._owed)
 
     async def _flush_sessions(self, timeout: float = 5.0) -> None:
         """Let job results that just finished reach their clients before the sockets close.
@@ -487,12 +527,19 @@ class Daemon:
         while entry.instance in instance.live_instances():
             await asyncio.sleep(1.0)
         loop = asyncio.get_running_loop()
-        future = asyncio.wrap_future(self._writers.submit(journal.recover, entry), loop=loop)
+        future = asyncio.wrap_future(
+            self._writers.submit(journal.recover, entry, self._stop_writers), loop=loop
+        )
         self.recovering[entry.name] = future
         try:
             result = await future
+        except asyncio.CancelledError:  # never started: the daemon is stopping
+            result = _never_started(entry.job)
         finally:
             self.recovering.pop(entry.name, None)
+        if result.interrupted:
+            log.warning("%s: stopped with the daemon; owed to the next start", entry.describe())
+            return
         if result.ok:
             self.stats["saves"] += 1
             self.stats["bytes"] += result.bytes
@@ -524,6 +571,7 @@ class Daemon:
         directory = "?"
         with contextlib.suppress(OSError):  # for status displays only; never used to write
             directory = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
+        persist.stop = self._stop_writers
         future = asyncio.wrap_future(self._writers.submit(job.run, persist), loop=loop)
         record = JobRecord(persist, session, staged, slot, time.perf_counter(), future, directory)
         self.jobs[persist.id] = record
@@ -532,16 +580,25 @@ class Daemon:
     def _job_done(self, record: JobRecord, future: asyncio.Future[job.JobResult]) -> None:
         self.jobs.pop(record.persist.id, None)
         if future.cancelled():
-            result = job.JobResult(
-                record.persist.id,
-                False,
-                code=str(ErrorCode.SHUTTING_DOWN),
-                message="shmstaged stopped before the checkpoint was written",
-            )
             record.persist.destination.close()
+            result = _never_started(record.persist.id)
         else:
             result = future.result()
-            self._unjournal(record.persist.id)  # ran to an end: nothing is owed any more
+        if result.interrupted:
+            # Stopped with the daemon: the journal entry, the files and the segments stay
+            # for the next start. The slot stays PERSISTING, so its layout is never
+            # collected (and its segments never unlinked) by this process.
+            self._keep_for_journal(record)
+            if record.persist.id in self._journaled:
+                log.warning("job %d: %s", result.job, result.message)
+            else:
+                log.error(
+                    "job %d: shmstaged stopped before it was written, and it could not be "
+                    "journaled (directory not reachable by path): this checkpoint is lost",
+                    result.job,
+                )
+            return
+        self._unjournal(record.persist.id)  # ran to an end: nothing is owed any more
         self.store.end_job(record.session.id, record.staged, record.slot, record.persist.id)
         if result.ok:
             self.stats["saves"] += 1
@@ -651,6 +708,22 @@ class Daemon:
             f"of {format_size(self.store.limits.shm_budget_bytes)}, {writing} job(s) writing, "
             f"{self.stats['saves']} saved, {self.stats['failed']} failed"
         )
+
+
+def _never_started(job_id: int) -> job.JobResult:
+    """A job the stopping daemon cancelled in the writers' queue: owed, like an interrupted one."""
+    return job.JobResult(
+        job_id,
+        False,
+        code=str(ErrorCode.SHUTTING_DOWN),
+        message="shmstaged stopped before the checkpoint was written; the next start writes it",
+        interrupted=True,
+    )
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for log lines: 0.5 s stays 0.5 s (not "0 s"), 60 s stays 60 s."""
+    return f"{seconds:g} s"
 
 
 def _unlink_all(names: list[str]) -> None:

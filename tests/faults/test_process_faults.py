@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from fault_helpers import (
     assert_checkpoint_equals,
     assert_not_published,
@@ -36,7 +37,7 @@ from fault_helpers import (
 from harness import wait_for
 from shmstage_client import SaveError, Stager
 
-from shmstage import checkpoint, segment
+from shmstage import checkpoint, names, segment
 from shmstage.manifest import MANIFEST_NAME
 
 PAUSE = "60"  # longer than any test waits: the SIGKILL, not the pause, ends the window
@@ -221,6 +222,43 @@ def test_a_stop_that_times_out_leaves_the_job_to_the_next_start(daemons, tmp_pat
     daemons()
     wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 30, "the checkpoint")
     assert_checkpoint_equals(tmp_path / "victim", make_state(9))
+    wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
+
+
+def big_state() -> dict:
+    """256 MiB in 4 tensors: writing and fsyncing it takes far longer than a 0 s timeout."""
+    return {
+        "layers": [torch.full((16 << 20,), float(i)) for i in range(4)],
+        "tail": torch.arange(1 << 16, dtype=torch.int64),
+    }
+
+
+def test_a_stop_past_its_timeout_keeps_the_checkpoint_for_the_next_start(
+    daemons, tmp_path: Path
+) -> None:
+    """The real path, no fault hook: SIGTERM while a real 256 MiB write runs and a shutdown
+    timeout of 0 s. The writer is told to stop and leaves its temporary files; the daemon
+    exits cleanly and keeps the segments and the journal entry; the next start on the same
+    socket publishes the checkpoint bit-exact."""
+    daemon = daemons("--shutdown-timeout", "0")
+    expected = big_state()
+    with Stager(daemon.socket) as stager:
+        stager.save(big_state(), tmp_path / "victim")  # acknowledged: the daemon owes it
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+        stager.close(timeout=1)
+    log = daemon.log()
+    assert "did not finish within 0 s; stopping their writers" in log, log
+    assert "stopped while writing" in log or "stopped before the checkpoint" in log, log
+    assert not checkpoint.is_complete(tmp_path / "victim")
+    temps = [p.name for p in (tmp_path / "victim").iterdir() if names.is_temp(p.name)]
+    assert len(temps) == 2, f"the job's temporary files were removed: {temps}"
+    assert daemon.segments(), "the owed job's segments were unlinked"
+    assert journal_entries(daemon.socket), "the journal entry was dropped"
+    successor = daemons()
+    wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 60, "the checkpoint")
+    assert_checkpoint_equals(tmp_path / "victim", expected)
+    assert "finished job" in successor.log() or "after a restart" in successor.log()
     wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
 
 
