@@ -119,7 +119,7 @@ def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int =
         if tag == "T" and isinstance(value, str):
             return tensor(value)
         if tag == "f" and isinstance(value, str):
-            return float.fromhex(value)
+            return _float(value)
         if tag == "d" and isinstance(value, list):
             pairs = ((_key(pair), _decode(pair[1], tensor, rebuild, depth + 1)) for pair in value)
             return dict(pairs) if rebuild else _drain(pairs)
@@ -129,6 +129,14 @@ def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int =
                 return _drain(items)
             return list(items) if tag == "l" else tuple(items)
     raise TreeError(f"malformed structure node {node!r:.80}")
+
+
+def _float(text: str) -> float:
+    """A float tag's value; a malformed or out-of-range one is a TreeError like any bad node."""
+    try:
+        return float.fromhex(text)
+    except (ValueError, OverflowError) as exc:
+        raise TreeError(f"malformed float tag {text!r:.40}: {exc}") from None
 
 
 def _drain(items: Iterable[Any]) -> None:
