@@ -76,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix socket to listen on (default: [server] socket_path, else $SHMSTAGE_SOCKET, "
         "else /run/shmstage/shmstaged.sock as root, else a per-user path)",
     )
-    parser.add_argument("--writer-threads", type=int, default=None)
+    parser.add_argument(
+        "--writer-threads",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="checkpoints written at once (default 4; restart to change)",
+    )
     parser.add_argument(
         "--no-fsync",
         action="store_true",
@@ -84,21 +90,80 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_number,
         default=None,
-        help="seconds to let in-flight checkpoints finish on SIGTERM",
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight checkpoints may finish (default 60); past it "
+        "their writers stop and the next start finishes them; 0 stops at once",
     )
-    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default=None, choices=["text", "json"])
-    parser.add_argument("--shm-budget", default=None, help='bytes, "64GiB" or "80%%" of /dev/shm')
-    parser.add_argument("--max-bytes", default=None, help="shared memory one client may hold")
-    parser.add_argument("--max-segments", type=int, default=None)
-    parser.add_argument("--max-layouts", type=int, default=None)
-    parser.add_argument("--max-jobs", type=int, default=None)
-    parser.add_argument("--default-slots", type=int, default=None)
-    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="debug, info (default), warning or error",
+    )
+    parser.add_argument("--log-format", default=None, help="text (default) or json")
+    parser.add_argument(
+        "--shm-budget",
+        default=None,
+        metavar="SIZE",
+        help='shared memory all clients together may stage: bytes, "64GiB" or "80%%" of '
+        "/dev/shm (default 80%%)",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        default=None,
+        metavar="SIZE",
+        help="shared memory one client may hold (default: the budget)",
+    )
+    parser.add_argument(
+        "--max-segments",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="segments (tensors x slots) one client may hold (default 65536)",
+    )
+    parser.add_argument(
+        "--max-layouts",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="state dict structures one client may have registered at once (default 16)",
+    )
+    parser.add_argument(
+        "--max-jobs",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="checkpoints of one client being written at once (default 4)",
+    )
+    parser.add_argument(
+        "--default-slots",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="staging slots per layout when the client does not say (default 2)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_number,
+        default=None,
+        metavar="PORT",
+        help="also serve Prometheus metrics on http://127.0.0.1:PORT/metrics",
+    )
     parser.add_argument("--version", action="version", version=f"shmstaged {__version__}")
     return parser
+
+
+def _number(text: str) -> int | float | str:
+    """A numeric flag's value; anything else passes through so that the configuration's
+    validator refuses it like a bad file value (exit 78, naming the setting), rather than
+    argparse exiting 2 with a usage line."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def overrides_of(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grp
 import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from shmstage_daemon.config import (
     measure_shm,
     resolve_budget,
 )
+from shmstage_daemon.main import build_parser
 
 from shmstage import paths
 from shmstage.paths import default_socket_path
@@ -213,7 +215,10 @@ def test_unknown_table_and_top_level_keys_are_rejected(tmp_path: Path) -> None:
         ('[log]\nlevel = "trace"\n', '[log] level = "trace": expected one of "debug", "info"'),
         ('[log]\nformat = "xml"\n', '[log] format = "xml": expected one of "text", "json"'),
         ('[server]\nsocket_path = "run/s"\n', 'socket_path = "run/s": expected an absolute'),
-        ("[server]\nshutdown_timeout = 0\n", "shutdown_timeout = 0: expected a number of seconds"),
+        (
+            "[server]\nshutdown_timeout = -1\n",
+            "shutdown_timeout = -1: expected a finite number of seconds",
+        ),
         ("[server]\nmetrics_port = 70000\n", "metrics_port = 70000: expected a TCP port"),
         ('[server]\nallowed_users = "root"\n', 'allowed_users = "root": expected a list of user'),
         ('[limits]\nmax_bytes = "lots"\n', '[limits] max_bytes = "lots": expected bytes'),
@@ -306,6 +311,38 @@ def test_command_line_overrides_are_validated_like_the_file(tmp_path: Path) -> N
         base.replace(threads=3)
     with pytest.raises(ConfigError, match=r"command line: \[limits\] shm_budget .* exceeds"):
         base.replace(shm_budget="1PiB")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--max-jobs", "x", "max_jobs"),
+        ("--writer-threads", "1.5", "writer_threads"),
+        ("--shutdown-timeout", "soon", "shutdown_timeout"),
+        ("--log-level", "loud", "log_level"),
+        ("--metrics-port", "99999", "metrics_port"),
+    ],
+)
+def test_a_bad_flag_value_exits_78_naming_the_setting(flag: str, value: str, named: str) -> None:
+    """As the README promises for any bad value: 78 (EX_CONFIG), not argparse's 2."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstage_daemon.main", flag, value, "--check-config"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 78, out.stderr
+    assert f"command line: {named} = " in out.stderr
+
+
+def test_help_documents_every_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstage_daemon.main", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )
+    flags = [a for a in build_parser()._actions if a.option_strings]
+    undocumented = [a.option_strings[0] for a in flags if not a.help]
+    assert undocumented == []
+    for action in flags:
+        assert action.option_strings[-1] in out.stdout
 
 
 def test_config_is_immutable() -> None:
