@@ -7,10 +7,11 @@ nobody holds are garbage — never a live daemon's.
 
 With one exception: a daemon killed after acknowledging a commit still owes that checkpoint,
 and the segments holding its bytes are all that is left of it. The daemon journals such jobs
-(``shmstage_daemon.journal``) in a directory next to its socket, one ``<instance>.<job>.job``
-file each, and names that directory in its lock file. A reaper holds back every segment of a
-dead instance whose journal still lists a job of that instance; the daemon that serves the
-same socket next finishes those jobs and then reaps them itself.
+(``shmstage_daemon.journal``) in a directory of its own, one ``<instance>.<job>.job`` file
+each, and names that directory and its socket in its lock file. A reaper holds back every
+segment of a dead instance whose journal still lists a job of that instance; the daemon that
+serves the same socket next finds that journal through the lock (``predecessors``),
+finishes those jobs and then reaps them itself.
 
 This lives in the core, not the daemon, because two programs apply the same rule: the
 daemon reaps at start, and the operator's ``shmstage gc`` reaps on demand without the
@@ -35,10 +36,16 @@ LOCK_DIR: Final = segment.SHM_DIR
 #: Journal entries are ``<instance>.<job>`` plus this suffix; reapers only list names.
 JOURNAL_SUFFIX: Final = ".job"
 _JOURNAL_KEY: Final = "journal="
+_SOCKET_KEY: Final = "socket="
 
 
 def lock_path(instance: str) -> str:
     return os.path.join(LOCK_DIR, f"shmstage.{instance}.lock")
+
+
+def journal_dir(root: str, instance: str) -> str:
+    """An instance's journal directory under ``root``: private, and named unguessably."""
+    return os.path.join(root, f"shmstage.{instance}.journal")
 
 
 @dataclass
@@ -47,18 +54,24 @@ class InstanceLock:
     fd: int
 
     @classmethod
-    def claim(cls, journal: str | None = None) -> InstanceLock:
+    def claim(cls, journal_root: str | None = None, socket: str | None = None) -> InstanceLock:
         """Create the lock already held, so no reaper ever sees it unlocked.
 
-        ``journal``: the directory where this instance journals acknowledged jobs; recorded
-        in the lock so that reapers leave the segments of jobs it still owes alone.
+        ``journal_root``: where this instance journals acknowledged jobs (its directory is
+        ``journal_dir(journal_root, instance)``); recorded in the lock with the ``socket``
+        it serves, so that reapers leave the segments of jobs it still owes alone and the
+        next daemon on that socket finds the journal.
         """
         instance = segment.new_instance_id()
         tmp = os.path.join(LOCK_DIR, f".shmstage.{instance}.lock.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            content = f"{os.getpid()}\n" + (f"{_JOURNAL_KEY}{journal}\n" if journal else "")
+            content = f"{os.getpid()}\n"
+            if journal_root:
+                content += f"{_JOURNAL_KEY}{journal_dir(journal_root, instance)}\n"
+            if socket:
+                content += f"{_SOCKET_KEY}{socket}\n"
             os.write(fd, content.encode())
             os.rename(tmp, lock_path(instance))
         except BaseException:
@@ -81,6 +94,7 @@ class LockInfo:
     uid: int
     held: bool
     journal: str | None
+    socket: str | None = None
 
 
 def read_lock(path: str) -> LockInfo | None:
@@ -114,11 +128,27 @@ def read_lock(path: str) -> LockInfo | None:
         return None
     finally:
         os.close(fd)
-    journal = None
+    fields = {}
     for line in text.splitlines():
-        if line.startswith(_JOURNAL_KEY) and len(line) > len(_JOURNAL_KEY):
-            journal = line[len(_JOURNAL_KEY) :]
-    return LockInfo(st.st_uid, held, journal)
+        key, sep, value = line.partition("=")
+        if sep and value:
+            fields[key + sep] = value
+    return LockInfo(st.st_uid, held, fields.get(_JOURNAL_KEY), fields.get(_SOCKET_KEY))
+
+
+def predecessors(socket: str, uid: int) -> list[tuple[str, str]]:
+    """``(instance, journal)`` of every dead instance of ``uid`` that served ``socket``.
+
+    Only locks that ``uid`` owns count: another user cannot hand this daemon a journal.
+    """
+    found = []
+    for instance, path in _locks():
+        info = read_lock(path)
+        if info is None or info.held or info.uid != uid:
+            continue
+        if info.socket == socket and info.journal:
+            found.append((instance, info.journal))
+    return found
 
 
 def live_instances() -> set[str]:
@@ -211,7 +241,7 @@ def reap(
     only_uid: int | None,
     dry_run: bool = False,
     keep: Collection[str] = (),
-    own_journal: str | None = None,
+    own_journals: Collection[str] = (),
 ) -> Reaped:
     """Unlink segments and locks of instances that are not running.
 
@@ -220,8 +250,9 @@ def reap(
     instance's files (root running ``shmstage gc``). A live instance's files are never
     touched: liveness is the flock, not a pid that may have been reused. Nor are those of a
     dead instance whose journal still owes a job — except by the daemon that owns that
-    journal (``own_journal``), which passes the segments it is about to finish in ``keep``
-    and reaps the rest.
+    journal (``own_journals``: its own and its predecessors'), which passes the segments it
+    is about to finish in ``keep`` and reaps the rest. A dead instance's journal directory
+    goes with its lock once it is empty.
     """
     report = Reaped()
     keep = set(keep)
@@ -231,7 +262,7 @@ def reap(
             continue
         if info.held:
             report.live.add(instance)
-        elif info.journal and info.journal != own_journal:
+        elif info.journal and info.journal not in own_journals:
             owed = owed_jobs(info.journal, instance)
             if owed:
                 report.held.add(instance)
@@ -280,11 +311,14 @@ def reap(
                 os.unlink(path)
             except FileNotFoundError:
                 continue
+            if info.journal and os.path.basename(info.journal) == f"shmstage.{instance}.journal":
+                with contextlib.suppress(OSError):
+                    os.rmdir(info.journal)  # only if empty: an owed entry is never removed
         report.locks.append(path)
         report.instances.add(instance)
     return report
 
 
-def reap_dead(keep: Collection[str] = (), own_journal: str | None = None) -> int:
+def reap_dead(keep: Collection[str] = (), own_journals: Collection[str] = ()) -> int:
     """The daemon's start-up reap: this uid's leftovers only; returns the segments removed."""
-    return len(reap(only_uid=os.geteuid(), keep=keep, own_journal=own_journal).segments)
+    return len(reap(only_uid=os.geteuid(), keep=keep, own_journals=own_journals).segments)

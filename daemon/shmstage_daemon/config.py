@@ -208,6 +208,12 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return convert
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Invalid("expected true or false")
+
+
 def _absolute_path(value: Any) -> Path:
     if isinstance(value, (str, Path)) and str(value) and os.path.isabs(value):
         return Path(value)
@@ -291,6 +297,8 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "allowed_groups": ("server", "allowed_groups", _groups),
     "shutdown_timeout": ("server", "shutdown_timeout", _seconds),
     "metrics_port": ("server", "metrics_port", _optional_port),
+    "journal_dir": ("server", "journal_dir", _absolute_path),
+    "allow_disk_journal": ("server", "allow_disk_journal", _bool),
     "shm_budget": ("limits", "shm_budget", _budget),
     "max_bytes": ("limits", "max_bytes", _optional_size),
     "max_segments": ("limits", "max_segments", _int_at_least(1)),
@@ -335,6 +343,8 @@ class Config:
     allowed_groups: frozenset[int] = frozenset()
     shutdown_timeout: float = 60.0
     metrics_port: int | None = None
+    journal_dir: Path = Path("/dev/shm")
+    allow_disk_journal: bool = False
     shm_budget: int | str = "80%"
     max_bytes: int | None = None
     max_segments: int = 65536

@@ -48,6 +48,7 @@ _OVERRIDES: Final = {
     "max_jobs": "max_jobs",
     "default_slots": "default_slots",
     "metrics_port": "metrics_port",
+    "journal_dir": "journal_dir",
 }
 
 
@@ -150,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="also serve Prometheus metrics on http://127.0.0.1:PORT/metrics",
     )
+    parser.add_argument(
+        "--journal-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the journal of acknowledged checkpoints lives (default /dev/shm); must "
+        "be memory-backed unless --allow-disk-journal",
+    )
+    parser.add_argument(
+        "--allow-disk-journal",
+        action="store_true",
+        help="accept a journal directory on a disk (every save then waits for its fsync)",
+    )
     parser.add_argument("--version", action="version", version=f"shmstaged {__version__}")
     return parser
 
@@ -169,10 +183,13 @@ def _number(text: str) -> int | float | str:
 def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the command line gives, as Config field names (absent flags omitted)."""
     out = {field: getattr(args, dest) for dest, field in _OVERRIDES.items()}
-    if out["socket_path"] is not None:
-        out["socket_path"] = Path(out["socket_path"]).absolute()
+    for key in ("socket_path", "journal_dir"):
+        if out[key] is not None:
+            out[key] = Path(out[key]).absolute()
     if args.no_fsync:
         out["fsync"] = "never"
+    if args.allow_disk_journal:
+        out["allow_disk_journal"] = True
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -198,6 +215,8 @@ def settings_of(config: Config) -> Settings:
         fsync=config.fsync == "always",
         shutdown_timeout=config.shutdown_timeout,
         default_slots=config.default_slots,
+        journal_root=config.journal_dir,
+        allow_disk_journal=config.allow_disk_journal,
         config_source=config.source,
     )
 
@@ -213,6 +232,8 @@ def describe(config: Config) -> str:
         f"  allowed_groups   {sorted(config.allowed_groups)}",
         f"  shutdown_timeout {config.shutdown_timeout:g} s",
         f"  metrics_port     {config.metrics_port or 'off'}",
+        f"  journal_dir      {config.journal_dir}"
+        + (" (disk allowed)" if config.allow_disk_journal else ""),
         f"  shm_budget       {config.shm_budget} = {budget}",
         f"  per client       max_bytes {max_bytes}, max_segments {config.max_segments}, "
         f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",

@@ -65,6 +65,9 @@ class Settings:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     default_slots: int = 2
     config_source: Path | None = None
+    #: Where instances' journal directories live; memory-backed unless allow_disk_journal.
+    journal_root: Path = Path("/dev/shm")
+    allow_disk_journal: bool = False
 
     #: What a SIGHUP reload can change in a running daemon; the rest needs a restart.
     RELOADABLE = ("limits", "allowlist", "fsync", "shutdown_timeout", "default_slots")
@@ -110,13 +113,19 @@ class Daemon:
         self._stop = asyncio.Event()
         self._pending_unlinks: set[asyncio.Future[Any]] = set()
         self._refusing = 0
-        self.journal = journal.Journal(journal.journal_dir(settings.socket_path))
+        #: This instance's journal (its directory is named after the instance: see start).
+        self.journal = journal.Journal(settings.journal_root / "shmstage.unstarted.journal")
+        self.journal_kind = "?"
+        #: Journal directories of this socket's dead predecessors, by path.
+        self._adopted: dict[str, journal.Journal] = {}
         #: job id -> journal entry name, for jobs acknowledged by this instance.
         self._journaled: dict[int, str] = {}
         #: job id -> journal entry name, for commits journaled pending (see journal_commit).
         self._pending_entries: dict[int, str] = {}
         #: Journal entries of dead instances' jobs not finished yet, by entry name.
         self._owed: dict[str, journal.Entry] = {}
+        #: ...and the journal each of them lives in.
+        self._entry_journal: dict[str, journal.Journal] = {}
         #: journal entry name -> the writer's future, while an owed job is being finished.
         self.recovering: dict[str, asyncio.Future[job.JobResult]] = {}
         #: Set when the stop can wait no longer: every job stops at its next write, leaving
@@ -150,23 +159,32 @@ class Daemon:
         _raise_fd_limit()
         if listener is not None:
             self.settings.socket_path = Path(listener.getsockname())
-            self.journal = journal.Journal(journal.journal_dir(self.settings.socket_path))
-        self._lock = instance.InstanceLock.claim(journal=str(self.journal.directory))
+        root = self.settings.journal_root
+        try:
+            self.journal_kind = journal.check_memory_backed(
+                root, allow_disk=self.settings.allow_disk_journal
+            )
+        except (OSError, journal.JournalError) as exc:
+            raise StartupError(f"cannot keep the journal in {root}: {exc}") from None
+        self._lock = instance.InstanceLock.claim(
+            journal_root=str(root), socket=str(self.settings.socket_path)
+        )
         self.instance = self._lock.instance
+        self.journal = journal.Journal(Path(instance.journal_dir(str(root), self.instance)))
         if listener is not None:
             self.activated = True
             self._listener = listener
         else:
             self._listener = bind(self.settings.socket_path)
-        # Only now, serving this socket alone, may we take over its journal.
+        # Only now, serving this socket alone, may we take over its predecessors' journals.
         try:
             self.journal.prepare()
-            owed = self.journal.load()
         except (OSError, journal.JournalError) as exc:
             raise StartupError(f"cannot use the journal {self.journal.directory}: {exc}") from None
+        owed = self._adopt_predecessors()
         self._owed = {entry.name: entry for entry in owed}
         keep = {name for entry in owed for name, _ in entry.segments}
-        reaped = instance.reap_dead(keep=keep, own_journal=str(self.journal.directory))
+        reaped = instance.reap_dead(keep=keep, own_journals=self._own_journals())
         if reaped:
             log.info("reaped %d segment(s) left by dead shmstaged instances", reaped)
         if owed:
@@ -176,13 +194,47 @@ class Daemon:
                 len(owed),
             )
         log.info(
-            "shmstaged %s listening on %s%s (instance %s, admitting %s)",
+            "shmstaged %s listening on %s%s (instance %s, journal %s on %s, admitting %s)",
             __version__,
             self.settings.socket_path,
             " (socket activation)" if self.activated else "",
             self.instance,
+            self.journal.directory,
+            self.journal_kind,
             self.settings.allowlist.describe(),
         )
+
+    def _adopt_predecessors(self) -> list[journal.Entry]:
+        """Load what dead daemons on this socket still owe, from their own journals.
+
+        Found through their lock files (which only this uid can have written), plus the
+        directory next to the socket where daemons before 0.2 kept it. A journal that
+        cannot be read is logged and left alone: its lock keeps its segments.
+        """
+        socket = self.settings.socket_path
+        directories = [Path(d) for _, d in instance.predecessors(str(socket), os.geteuid())]
+        legacy = journal.legacy_journal_dir(socket)
+        if legacy.is_dir() and not legacy.is_symlink():
+            directories.append(legacy)
+        owed = []
+        for directory in directories:
+            adopted = journal.Journal(directory)
+            try:
+                adopted.check()
+                entries = adopted.load()
+            except FileNotFoundError:
+                continue
+            except (OSError, journal.JournalError) as exc:
+                log.error("cannot read the journal %s of a previous instance: %s", directory, exc)
+                continue
+            self._adopted[str(directory)] = adopted
+            for entry in entries:
+                self._entry_journal[entry.name] = adopted
+            owed += entries
+        return owed
+
+    def _own_journals(self) -> set[str]:
+        return {str(self.journal.directory), *self._adopted}
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -333,6 +385,7 @@ class Daemon:
                 owes = len(self._owed_jobs())
                 log.info("instance lock file kept: the journal owes %d job(s)", owes)
             else:
+                self.journal.remove_if_empty()
                 self._lock.release()
         log.info("stopped; %d segment(s) unlinked at exit", len(leftover))
 
@@ -548,13 +601,18 @@ class Daemon:
             self.stats["failed"] += 1
             log.error("could not finish %s: %s", entry.describe(), result.message)
         await self.run_io(_unlink_all, [name for name, _ in entry.segments])
-        self._remove_entry(entry.name)
+        source = self._entry_journal.pop(entry.name)
+        await asyncio.get_running_loop().run_in_executor(
+            self._journal_io, functools.partial(source.remove, entry.name, fsync=self.fsync)
+        )
         del self._owed[entry.name]
+        if source not in self._entry_journal.values() and source.remove_if_empty():
+            log.info("previous journal %s is finished and removed", source.directory)
         # Whatever else the predecessor left (its lock file) goes now, except the segments
         # of jobs still owed.
         keep = {name for owed in self._owed.values() for name, _ in owed.segments}
         reap = functools.partial(
-            instance.reap_dead, keep=keep, own_journal=str(self.journal.directory)
+            instance.reap_dead, keep=keep, own_journals=self._own_journals()
         )
         self._track(asyncio.ensure_future(self.run_io(reap)))
 
@@ -641,6 +699,8 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started,
             "socket": str(self.settings.socket_path),
+            "journal": str(self.journal.directory),
+            "journal_filesystem": self.journal_kind,
             "activated": self.activated,
             "config": str(self.settings.config_source or ""),
             "stopping": self.stopping,

@@ -401,7 +401,7 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
     defaults = Config()
     table_keys = {
         "server": ["socket_path", "allowed_users", "allowed_groups", "shutdown_timeout",
-                   "metrics_port"],
+                   "metrics_port", "journal_dir", "allow_disk_journal"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "default_slots"],
         "storage": ["writer_threads", "fsync"],
@@ -419,6 +419,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
             field = f"log_{key}" if table == "log" else key
             if field == "allowed_users":
                 assert value == [] and defaults.allowed_users == {os.getuid(), 0}
+            elif isinstance(getattr(defaults, field), Path):
+                assert getattr(defaults, field) == Path(value), f"[{table}] {key}"
             else:
                 assert getattr(defaults, field) == value, f"[{table}] {key}"
 

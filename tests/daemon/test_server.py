@@ -211,8 +211,7 @@ def test_segments_of_a_killed_daemon_are_reaped_by_the_next(tmp_path: Path, ckpt
     assert len(first.segments()) == 4
     # The job's journal entry is dropped just after the client hears "durable"; killed
     # before that, the entry (rightly) holds the segments back for this socket's next daemon.
-    journal = first.socket.with_name(first.socket.name + ".journal")
-    wait_for(lambda: not any(journal.iterdir()), 10, "the finished job's journal entry to go")
+    wait_for(lambda: not any(first.journal.iterdir()), 10, "the finished job's entry to go")
     first.proc.kill()
     first.proc.wait(10)
     stager.close(timeout=1)

@@ -56,7 +56,7 @@ def test_a_trainer_killed_during_the_copy_leaves_nothing(daemons, tmp_path: Path
     # Its session ends, the slot it held is dropped, its segments are unlinked.
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
     # Its commit, sent ahead of the copy, was only journaled pending; that entry goes too.
-    wait_for(lambda: journal_entries(daemon.socket) == [], 10, "the pending entry to go")
+    wait_for(lambda: journal_entries(daemon) == [], 10, "the pending entry to go")
     assert_not_published(tmp_path / "victim")
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(1))
     with Stager(daemon.socket) as stager:  # the daemon serves on
@@ -81,7 +81,7 @@ def test_a_trainer_killed_after_commit_still_gets_its_checkpoint(
     assert_checkpoint_equals(tmp_path / "victim", make_state(2))  # not the -1s written after
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(2))
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
-    assert journal_entries(daemon.socket) == []
+    assert journal_entries(daemon) == []
 
 
 def test_a_trainer_killed_while_waiting_for_a_slot(daemons, tmp_path: Path) -> None:
@@ -147,13 +147,13 @@ def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path
     trainer = start_trainer(daemon.socket, tmp_path, "copy", 8)
     read_marker(trainer, "BASE")
     read_marker(trainer, "COPYING")  # the commit went out before the copy began
-    wait_for(lambda: journal_entries(daemon.socket), 10, "the commit to be journaled pending")
-    pending = journal_entries(daemon.socket)
+    wait_for(lambda: journal_entries(daemon), 10, "the commit to be journaled pending")
+    pending = journal_entries(daemon)
     # Written under its temporary name: not owed, and no reaper holds segments for it.
     assert len(pending) == 1 and pending[0].startswith(".") and pending[0].endswith(".tmp")
     daemon.kill()
     restarted = daemons()
-    assert journal_entries(restarted.socket) == []
+    assert journal_entries(restarted) == [] == journal_entries(daemon)
     assert instance_clean(daemon.instance)
     kill(trainer)
     assert_not_published(tmp_path / "victim")
@@ -179,7 +179,7 @@ def test_an_acknowledged_checkpoint_survives_a_daemon_sigkill(
     for tensor in state["layers"]:
         tensor.zero_()
     daemon.wait_log(f"fault: pausing at {point}")
-    assert len(journal_entries(daemon.socket)) == 1
+    assert len(journal_entries(daemon)) == 1
     victim = tmp_path / "victim"
     if point == "before-manifest":  # the data file is complete under its final name...
         assert (victim / "model.safetensors").exists()
@@ -198,7 +198,7 @@ def test_an_acknowledged_checkpoint_survives_a_daemon_sigkill(
     assert_checkpoint_equals(victim, make_state(7))
     assert_checkpoint_equals(tmp_path / "earlier", single_tensor_state(7))
     wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
-    assert journal_entries(restarted.socket) == []
+    assert journal_entries(restarted) == [] == journal_entries(daemon)
     assert f"finished job 2 of instance {daemon.instance}" in restarted.log()
     assert not [p for p in victim.iterdir() if p.name.startswith(".")], "temporaries left"
     with Stager(restarted.socket) as fresh:  # a new Stager works against the new daemon
@@ -254,7 +254,7 @@ def test_a_stop_past_its_timeout_keeps_the_checkpoint_for_the_next_start(
     temps = [p.name for p in (tmp_path / "victim").iterdir() if names.is_temp(p.name)]
     assert len(temps) == 2, f"the job's temporary files were removed: {temps}"
     assert daemon.segments(), "the owed job's segments were unlinked"
-    assert journal_entries(daemon.socket), "the journal entry was dropped"
+    assert journal_entries(daemon), "the journal entry was dropped"
     successor = daemons()
     wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 60, "the checkpoint")
     assert_checkpoint_equals(tmp_path / "victim", expected)
