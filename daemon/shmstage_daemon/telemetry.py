@@ -15,6 +15,12 @@ from shmstage.metrics import BYTE_BUCKETS, SECOND_BUCKETS, Registry
 
 RECENT_JOBS: Final = 64
 RECENT_ERRORS: Final = 20
+#: Errors echo what a client sent; kept ones are cut so that one hostile request cannot
+#: make ``status`` (which carries them to everyone) larger than a frame.
+MAX_ERROR_CHARS: Final = 500
+#: A client-reported duration beyond this is not a measurement: dropped from the metrics,
+#: so a hostile ``1e308`` cannot turn the histograms' sums into infinity.
+MAX_REPORTED_SECONDS: Final = 7 * 86400.0
 #: "Recent throughput" means the saves finished within this many seconds.
 THROUGHPUT_WINDOW_S: Final = 300.0
 
@@ -37,6 +43,15 @@ class RecentError:
     code: str
     message: str
     job: int | None = None
+
+
+def plausible(seconds: float | None) -> bool:
+    """A duration a client reported that may enter the metrics."""
+    return seconds is not None and 0 <= seconds <= MAX_REPORTED_SECONDS
+
+
+def shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class Telemetry:
@@ -74,9 +89,9 @@ class Telemetry:
     def staged(self, nbytes: int, stage_seconds: float | None, slot_wait: float | None) -> None:
         """A client committed a slot; the timings are its own report (absent from old clients)."""
         self.registry.inc("bytes_staged_total", nbytes)
-        if stage_seconds is not None and stage_seconds >= 0:
+        if plausible(stage_seconds):
             self.registry.observe("stage_seconds", float(stage_seconds))
-        if slot_wait is not None and slot_wait >= 0:
+        if plausible(slot_wait):
             self.registry.observe("slot_wait_seconds", float(slot_wait))
 
     def registered(self) -> None:
@@ -94,7 +109,9 @@ class Telemetry:
 
     def error(self, client: str, code: str, message: str, *, job: int | None = None) -> None:
         self.registry.inc("errors_total", code=code or "unknown")
-        self.errors.append(RecentError(time.time(), client, code, message, job))
+        self.errors.append(
+            RecentError(time.time(), client, code[:64], shorten(message, MAX_ERROR_CHARS), job)
+        )
 
     # -- views -------------------------------------------------------------------
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import grp
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 import pytest
-from shmstage_daemon.admission import Allowlist, Peer, supplementary_groups
+from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,
@@ -370,26 +373,40 @@ def test_peer_admission_by_user_primary_and_supplementary_group() -> None:
     assert not allowlist_of(Config(shm_budget="1MiB")).admits(Peer(1, 1000, 1000, frozenset()))
 
 
-def test_supplementary_groups_are_read_from_proc() -> None:
+def test_supplementary_groups_come_from_the_socket_not_from_proc() -> None:
+    """SO_PEERGROUPS: the groups the peer had when it connected, whatever its pid names
+    later (a pid may be reused by another process with other groups)."""
     if os.geteuid() != 0:
-        pytest.skip("starting a process with chosen supplementary groups needs root")
-    peer = subprocess.Popen(
-        ["cat"],  # any process that waits; the venv's python may not be executable by nobody
-        stdin=subprocess.PIPE,
-        user=65534,
-        group=65534,
-        extra_groups=[5151, 6161],
+        pytest.skip("a peer with chosen supplementary groups needs root")
+    where = Path(tempfile.mkdtemp(prefix="shmstage-groups-", dir="/tmp"))
+    where.chmod(0o755)  # pytest's tmp_path is not reachable for uid 65534
+    path = where / "s.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    path.chmod(0o666)
+    listener.listen(1)
+    code = (
+        "import os, socket, sys; os.setgroups([5151, 6161]); os.setgid(65534); "
+        f"os.setuid(65534); s = socket.socket(socket.AF_UNIX); s.connect({str(path)!r}); "
+        "sys.stdin.read()"
     )
+    peer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     try:
-        groups = frozenset({65534, *supplementary_groups(peer.pid)})
-        assert groups >= {5151, 6161}
-        seen = Peer(peer.pid, 65534, 65534, groups)
+        listener.settimeout(30)
+        conn, _ = listener.accept()
+        seen = peer_of(conn)
+        assert (seen.uid, seen.gid, seen.pid) == (65534, 65534, peer.pid)
+        assert seen.groups == {65534, 5151, 6161}
         assert allowlist_of(Config(shm_budget="1MiB", allowed_groups=[6161])).admits(seen)
         assert not allowlist_of(Config(shm_budget="1MiB", allowed_groups=[7171])).admits(seen)
-    finally:
         peer.communicate(timeout=10)
-    # Gone: nothing to read, so only uid and primary gid count.
-    assert supplementary_groups(peer.pid) == []
+        assert peer_of(conn).groups == seen.groups  # gone: the socket still knows
+        conn.close()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        listener.close()
+        shutil.rmtree(where, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- the example
