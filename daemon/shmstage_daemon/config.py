@@ -98,11 +98,41 @@ def measure_shm(shm_dir: Path = SHM_DIR) -> ShmCapacity:
     figures move while trainers run.
     """
     st = os.statvfs(shm_dir)
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
     return ShmCapacity(
         shm_total=st.f_blocks * st.f_frsize,
         shm_free=st.f_bavail * st.f_frsize,
-        mem_available=psutil.virtual_memory().available,
+        mem_available=available if room is None else min(available, room),
     )
+
+
+def cgroup_room(
+    proc_self: Path = Path("/proc/self"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process's cgroup (v2) may still charge before its ``memory.max``, or None
+    when it has no such limit.
+
+    Segment pages are charged to the daemon's cgroup (the unit's ``MemoryMax=``): a
+    registration that would cross it must be refused with a reason, not end in the
+    cgroup's OOM killer.
+    """
+    try:
+        lines = (proc_self / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    unified = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if unified is None:
+        return None
+    group = cgroup_root / unified.lstrip("/")
+    try:
+        limit = (group / "memory.max").read_text().strip()
+        current = int((group / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(0, int(limit) - current)
 
 
 def _budget_spec(value: Any) -> int | str:

@@ -437,7 +437,7 @@ class Daemon:
             tight = (
                 "free space in /dev/shm"
                 if cap.shm_free <= cap.mem_available
-                else ("memory available on this node")
+                else "memory available to shmstaged (the node's, or its cgroup's MemoryMax=)"
             )
             raise StoreError(
                 ErrorCode.SHM_EXHAUSTED,

@@ -23,6 +23,7 @@ from shmstage_daemon.config import (
     Config,
     ConfigError,
     ShmCapacity,
+    cgroup_room,
     load_config,
     measure_shm,
     resolve_budget,
@@ -274,6 +275,22 @@ def test_capacity_is_limited_by_free_shm_and_available_memory() -> None:
     live = measure_shm()
     assert 0 <= live.shm_free <= live.shm_total
     assert live.mem_available > 0
+
+
+def test_a_cgroup_memory_limit_caps_what_registrations_may_take(tmp_path: Path) -> None:
+    """Segment pages are charged to the daemon's cgroup: its room under memory.max counts."""
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    (proc / "cgroup").write_text("0::/system.slice/shmstaged.service\n")
+    group = cgroups / "system.slice" / "shmstaged.service"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text("1073741824\n")
+    (group / "memory.current").write_text("268435456\n")
+    assert cgroup_room(proc, cgroups) == 768 << 20
+    (group / "memory.max").write_text("max\n")
+    assert cgroup_room(proc, cgroups) is None
+    (proc / "cgroup").write_text("4:memory:/x\n")  # cgroup v1 only: no unified limit
+    assert cgroup_room(proc, cgroups) is None
 
 
 def test_an_explicit_file_that_is_missing_is_an_error_not_the_defaults(tmp_path: Path) -> None:
