@@ -794,6 +794,7 @@ def _unlink_all(names: list[str]) -> None:
 def bind(path: Path) -> socket.socket:
     """Bind the listening socket (mode 0660), refusing to steal one a live daemon serves."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    check_socket_directory(path.parent)
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -824,6 +825,33 @@ def bind(path: Path) -> socket.socket:
     os.chmod(path, 0o660)
     sock.listen(128)
     return sock
+
+
+def check_socket_directory(directory: Path) -> None:
+    """Serve only from a directory no other user controls.
+
+    Whoever may write the socket's directory may delete the socket and bind their own in
+    its place, and trainers would then stage their tensors into segments that user owns.
+    So the directory must be this daemon's own (or root's), not a symlink, and writable by
+    nobody else — or sticky (like /tmp), where others cannot remove what is ours.
+    """
+    try:
+        st = directory.lstat()
+    except OSError as exc:
+        raise StartupError(f"cannot use socket directory {directory}: {exc.strerror}") from None
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink?)"
+    elif st.st_uid not in (os.geteuid(), 0):
+        problem = f"belongs to uid {st.st_uid}, not to this daemon's uid {os.geteuid()}"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        problem = "is writable by other users"
+    if problem is not None:
+        raise StartupError(
+            f"socket directory {directory} {problem}: another user could replace the socket "
+            "with their own; use a directory only this user (or root) can write, e.g. the "
+            "default, or remove it and let shmstaged create it"
+        )
 
 
 def _raise_fd_limit() -> None:
