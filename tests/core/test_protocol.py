@@ -11,8 +11,8 @@ import pytest
 from shmstage.protocol import (
     MAX_DECODED_CONTAINERS,
     MAX_FDS_PER_FRAME,
-    SMALL_FRAME_BYTES,
     PROTOCOL_VERSION,
+    SMALL_FRAME_BYTES,
     Connection,
     ErrorCode,
     ProtocolError,
