@@ -26,7 +26,13 @@ from typing import Any, TypeVar
 
 from shmstage import instance, segment
 from shmstage.layout import Layout
-from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES, Connection, ErrorCode, Role
+from shmstage.protocol import (
+    DAEMON_MAX_PENDING_FDS,
+    DEFAULT_MAX_FRAME_BYTES,
+    Connection,
+    ErrorCode,
+    Role,
+)
 from shmstage.segment import SegmentRef
 from shmstage.units import format_size
 from shmstage_daemon import __version__, faults, job, journal
@@ -276,7 +282,7 @@ class Daemon:
             log.warning("cannot identify a peer: %s", exc)
             sock.close()
             return
-        transport = Transport(sock)
+        transport = Transport(sock, max_fds=DAEMON_MAX_PENDING_FDS)
         if not self.settings.allowlist.admits(peer):
             log.warning("refused %s: not in the allowlist", peer.describe())
             refusal = Connection(Role.DAEMON).error_frame(
