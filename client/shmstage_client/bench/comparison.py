@@ -67,6 +67,16 @@ def _failed(cls: Any, error: str, traceback: str = "") -> MethodResult:
     )
 
 
+def _leak(res: MethodResult) -> str:
+    """What the method's process was left holding, when that looks like a leak."""
+    if res.fds_after == -1:
+        return "no descriptor left at its end (EMFILE): it leaked them all"
+    if res.fds_before is None or res.fds_after is None:
+        return ""
+    leaked = res.fds_after - res.fds_before
+    return f"leaked {leaked} descriptors" if leaked >= LEAK_THRESHOLD else ""
+
+
 def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
     args = session.args
     spec = synthetic_spec(args)
@@ -93,10 +103,9 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
             res = outcome.value
         else:
             res = _failed(cls, outcome.error, outcome.traceback or outcome.log_tail[-1500:])
-        if res.fds_before is not None and res.fds_after is not None:
-            leaked = res.fds_after - res.fds_before
-            if leaked >= LEAK_THRESHOLD:
-                res.note = "; ".join(filter(None, [res.note, f"leaked {leaked} descriptors"]))
+        leak = _leak(res)
+        if leak:
+            res.note = "; ".join(filter(None, [res.note, leak]))
         results.append(res)
     config = synthetic_config(args, spec) | {
         "repeats": args.repeats,

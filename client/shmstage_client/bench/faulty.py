@@ -43,6 +43,22 @@ class HangingMethod(Method):
         raise AssertionError("not reached")
 
 
+class HangingSaveMethod(Method):
+    """Hangs inside a save: the save's own deadline abandons it, the rows before survive."""
+
+    name = "test-hang-save"
+    description = "TEST-ONLY: the second save never returns"
+
+    def setup(self, state_dict: StateDict) -> None:
+        self.saves = 0
+
+    def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
+        self.saves += 1
+        if self.saves > 1:
+            time.sleep(3600)
+        return Timing(0.001, 0.002)
+
+
 class LeakingMethod(Method):
     """Leaks descriptors until the process has none left, then tries to save."""
 
@@ -66,4 +82,9 @@ class LeakingMethod(Method):
         return Timing(None, None)
 
 
-FAULTY_METHODS: list[type[Method]] = [CrashingMethod, HangingMethod, LeakingMethod]
+FAULTY_METHODS: list[type[Method]] = [
+    CrashingMethod,
+    HangingMethod,
+    HangingSaveMethod,
+    LeakingMethod,
+]

@@ -16,6 +16,7 @@ that the parent forwards while it waits and quotes in error rows.
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -63,12 +64,13 @@ def raise_fd_limit() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def open_fds() -> int:
-    """Descriptors this process holds, to show what a method leaked."""
+def open_fds() -> int | None:
+    """Descriptors this process holds, to show what a method leaked; -1 when none is left
+    to count them with (EMFILE), None when they cannot be counted here."""
     try:
         return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
+    except OSError as exc:
+        return -1 if exc.errno == errno.EMFILE else None
 
 
 def _child_main(
@@ -210,6 +212,7 @@ class Child:
         raise RuntimeError(f"{self.name}: {self._why_no_answer(timeout)}")
 
     def _why_no_answer(self, timeout: float) -> str:
+        self.proc.join(2.0)  # its pipe closes a moment before it can be reaped
         code = self.proc.exitcode
         if code is None:
             return f"no answer after {timeout:.0f} s: hung (killed)"
@@ -225,8 +228,8 @@ class Child:
             frame = self._receive(deadline)
         outcome = Outcome()
         if frame is None:
+            outcome.error = self._why_no_answer(timeout)  # before kill() makes it a SIGKILL
             self.kill()
-            outcome.error = self._why_no_answer(timeout)
         elif frame[0] == "result":
             outcome.value = frame[1]
         else:

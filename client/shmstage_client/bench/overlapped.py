@@ -11,6 +11,7 @@ checkpoint before the next. Saves are issued at a fixed interval shorter than on
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -136,6 +137,7 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         args.save_timeout,
     )
     outcome = session.run("overlapped", measure, (job,), args.part_timeout)
+    shutil.rmtree(job.root, ignore_errors=True)  # what a killed process left behind too
     if not outcome.ok:
         saves_table.rows.append(
             {
