@@ -31,8 +31,18 @@ from shmstage_client.bench.saves import first_difference, substitute
 from shmstage_client.bench.synthetic import build_state_dict, parse_size, tensor_sizes
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--device", "cpu", "--total-bytes", "4MiB", "--tensors", "8",
-        "--min-tensor-bytes", "4KiB", "--max-tensor-bytes", "2MiB"]  # fmt: skip
+TINY = [
+    "--device",
+    "cpu",
+    "--total-bytes",
+    "4MiB",
+    "--tensors",
+    "8",
+    "--min-tensor-bytes",
+    "4KiB",
+    "--max-tensor-bytes",
+    "2MiB",
+]
 
 
 def run_bench(
@@ -43,8 +53,18 @@ def run_bench(
     environ = dict(os.environ, **(env or {}))
     paths = [str(REPO / "client"), str(REPO / "daemon"), str(REPO)]
     environ["PYTHONPATH"] = os.pathsep.join([*paths, environ.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "shmstage_client.bench", *args, "--dir", str(tmp_path / "ckpt"),
-           "--json", str(out), "--png", str(tmp_path / "report.png")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shmstage_client.bench",
+        *args,
+        "--dir",
+        str(tmp_path / "ckpt"),
+        "--json",
+        str(out),
+        "--png",
+        str(tmp_path / "report.png"),
+    ]
     if socket:
         cmd += ["--socket", str(tmp_path / "bench-daemon" / "shmstaged.sock")]
     proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=240)
@@ -56,8 +76,11 @@ def run_bench(
 
 
 def assert_ok(rows: dict[str, dict[str, Any]], *names: str) -> None:
-    bad = {n: (rows[n]["status"], rows[n].get("error"), rows[n].get("traceback")) for n in names
-           if rows[n]["status"] != "ok"}  # fmt: skip
+    bad = {
+        n: (rows[n]["status"], rows[n].get("error"), rows[n].get("traceback"))
+        for n in names
+        if rows[n]["status"] != "ok"
+    }
     assert not bad, bad
 
 
@@ -186,9 +209,19 @@ def test_peer_that_crashes_hangs_or_leaks_is_one_error_row_and_the_report_is_wri
 ) -> None:
     # The broken methods are TEST-ONLY, offered by the CLI only with this variable set.
     methods = "test-crash,test-hang,test-hang-save,test-leak-fds,raw-copy"
-    proc, rep = run_bench(tmp_path, *TINY, "--repeats", "1", "--methods", methods,
-                          "--method-timeout", "6", "--save-timeout", "2",
-                          env={TEST_METHODS_ENV: "1"})  # fmt: skip
+    proc, rep = run_bench(
+        tmp_path,
+        *TINY,
+        "--repeats",
+        "1",
+        "--methods",
+        methods,
+        "--method-timeout",
+        "6",
+        "--save-timeout",
+        "2",
+        env={TEST_METHODS_ENV: "1"},
+    )
     rows = report.rows_by_name(rep, "methods")
     assert rows["test-crash"]["status"] == "error"
     assert "signal SIGSEGV" in rows["test-crash"]["error"]
@@ -207,12 +240,28 @@ def test_peer_that_crashes_hangs_or_leaks_is_one_error_row_and_the_report_is_wri
 def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
     tmp_path: Path, daemon: RunningDaemon
 ) -> None:
-    proc, rep = run_bench(tmp_path, *TINY, "--scenario", "overlapped", "--saves", "3",
-                          "--attach", "--socket", str(daemon.socket), socket=False)  # fmt: skip
+    _, rep = run_bench(
+        tmp_path,
+        *TINY,
+        "--scenario",
+        "overlapped",
+        "--saves",
+        "3",
+        "--attach",
+        "--socket",
+        str(daemon.socket),
+        socket=False,
+    )
     assert report.rows_by_name(rep, "limits")["raw pinned copy (same bytes)"]["seconds"] > 0
     rows = report.rows_by_name(rep, "saves")
-    names = ["first save (registers)", "calibration (alone)", "save 1", "save 2", "save 3",
-             "steady: median of saves 2..N"]  # fmt: skip
+    names = [
+        "first save (registers)",
+        "calibration (alone)",
+        "save 1",
+        "save 2",
+        "save 3",
+        "steady: median of saves 2..N",
+    ]
     assert list(rows) == names
     assert_ok(rows, *names)
     for name in names[2:5]:
@@ -226,8 +275,9 @@ def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
 
 
 def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(tmp_path: Path) -> None:
-    proc, rep = run_bench(tmp_path, "--device", "cpu", "--scenario", "training", "--saves", "2",
-                          "--guard")  # fmt: skip
+    _, rep = run_bench(
+        tmp_path, "--device", "cpu", "--scenario", "training", "--saves", "2", "--guard"
+    )
     saves = report.rows_by_name(rep, "saves")
     plain = ["plain: first save (registers)", "plain: save 1 (step 4)", "plain: save 2 (step 5)"]
     assert_ok(saves, *plain, "plain: steady (median of saves 2..N)")
@@ -244,7 +294,7 @@ def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(tmp_path
 
 
 def test_restore_scenario_every_row_and_the_restart_after_sigkill(tmp_path: Path) -> None:
-    proc, rep = run_bench(tmp_path, *TINY, "--scenario", "restore", "--drop-caches", "fadvise")
+    _, rep = run_bench(tmp_path, *TINY, "--scenario", "restore", "--drop-caches", "fadvise")
     rows = report.rows_by_name(rep, "restore")
     assert list(rows) == [
         "raw pinned host-to-device copy (limit)",
@@ -254,9 +304,14 @@ def test_restore_scenario_every_row_and_the_restart_after_sigkill(tmp_path: Path
         "load() from daemon memory",
         "restart: restore after SIGKILL",
     ]
-    assert_ok(rows, "raw pinned host-to-device copy (limit)", "disk read limit (O_DIRECT)",
-              "load() from files, cold cache", "load() from files, warm cache",
-              "restart: restore after SIGKILL")  # fmt: skip
+    assert_ok(
+        rows,
+        "raw pinned host-to-device copy (limit)",
+        "disk read limit (O_DIRECT)",
+        "load() from files, cold cache",
+        "load() from files, warm cache",
+        "restart: restore after SIGKILL",
+    )
     for name in ("load() from files, cold cache", "restart: restore after SIGKILL"):
         assert rows[name]["bit_exact"] is True and rows[name]["vs_h2d"] > 0
     assert "posix_fadvise(DONTNEED)" in rows["load() from files, cold cache"]["note"]
