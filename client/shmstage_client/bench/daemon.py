@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .direct_io import filesystem_of
@@ -167,6 +168,12 @@ class BenchDaemon:
                 if found:
                     info.journal, info.journal_source = found.group(1), "start-up log"
                     break
+        if not info.journal:  # an older daemon says nothing: look beside its socket
+            sock = Path(self.socket)
+            beside = sorted(sock.parent.glob(f"{sock.name}*journal*"))
+            if beside:
+                info.journal = str(beside[0])
+                info.journal_source = "socket's directory (the daemon does not report it)"
         if info.journal:
             info.journal_filesystem = filesystem_of(info.journal)
         return info

@@ -160,7 +160,8 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, device: torch.device, seed: int) -> None:
         torch.manual_seed(seed)
         self.cfg, self.device = cfg, device
-        self.model = Decoder(cfg).to(device)
+        with device:  # built where it trains: no 8 GB of CPU initialisation first
+            self.model = Decoder(cfg)
         cuda = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=cuda or None)
         self.gen = torch.Generator(device=device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -358,7 +359,9 @@ class ShmstageBusy(ShmstageSteady):
         super().setup(state_dict)
         self.loop = ComputeLoop(self.device)
         # The first save registers the layout; it is not what this row is about.
-        self.stager.save(state_dict, str(self.ctx.root / "busy-warmup")).wait(timeout=600)
+        warmup = self.ctx.root / "busy-warmup"
+        self.stager.save(state_dict, str(warmup)).wait(timeout=600)
+        shutil.rmtree(warmup, ignore_errors=True)
         self.note = (
             "step = 8 bf16 8192x8192 matmuls"
             if self.device.type == "cuda"

@@ -109,7 +109,11 @@ def _drop(job: RestoreJob, files: list[Path]) -> str:
     return drop_file_cache(files, system_wide=job.drop == "auto" and os.geteuid() == 0)
 
 
-def _restore_row(seconds: float, restored: Any, expected: Any, note: str) -> dict[str, Any]:
+def _restore_row(
+    seconds: float, restored: Any, expected: Any, note: str, source: str
+) -> dict[str, Any]:
+    """A restore's row; ``source``: where the bench asked for it ("files"), or "unknown"
+    when the restore may fall back silently and its result does not say."""
     state = _state_of(restored)
     mismatch = first_difference(state, expected)
     return {
@@ -117,7 +121,7 @@ def _restore_row(seconds: float, restored: Any, expected: Any, note: str) -> dic
         "seconds": seconds,
         "bit_exact": not mismatch,
         "note": "; ".join(filter(None, [note, mismatch])),
-        "source": getattr(restored, "source", None),
+        "source": getattr(restored, "source", None) or source,
     }
 
 
@@ -164,7 +168,7 @@ def measure(job: RestoreJob) -> dict[str, dict[str, Any]]:
         kwargs = _files_kwargs()
         for name, note in (("load-cold", how), ("load-warm", "right after the cold load")):
             seconds, out = _timed(lambda: load(job.checkpoint, device=device, **kwargs), device)
-            rows[name] = _restore_row(seconds, out, state, note)
+            rows[name] = _restore_row(seconds, out, state, note, "files")
             del out
 
         restorer, how_memory = _memory_restorer()
@@ -173,7 +177,7 @@ def measure(job: RestoreJob) -> dict[str, dict[str, Any]]:
         else:
             try:
                 seconds, out = _timed(lambda: restorer(job.checkpoint, device), device)
-                rows["load-memory"] = _restore_row(seconds, out, state, how_memory)
+                rows["load-memory"] = _restore_row(seconds, out, state, how_memory, "unknown")
                 del out
             except Exception as exc:
                 rows["load-memory"] = {"status": "error", "error": describe_exception(exc)}
@@ -205,12 +209,13 @@ def restart_restore(job: RestoreJob) -> dict[str, Any]:
     restorer, how = _memory_restorer()
     if restorer is not None:
         seconds, out = _timed(lambda: restorer(job.checkpoint, device), device)
-        via = how
+        via, source = how, "unknown"
     else:
-        via = f"files, {_drop(job, _files(job.checkpoint))} ({how})"
+        via = f"{_drop(job, _files(job.checkpoint))} ({how})"
         kwargs = _files_kwargs()
         seconds, out = _timed(lambda: load(job.checkpoint, device=device, **kwargs), device)
-    return _restore_row(seconds, out, job.spec.build(), via)
+        source = "files"
+    return _restore_row(seconds, out, job.spec.build(), via, source)
 
 
 def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, Any]:
