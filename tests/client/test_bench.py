@@ -276,7 +276,16 @@ def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
 
 def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(tmp_path: Path) -> None:
     _, rep = run_bench(
-        tmp_path, "--device", "cpu", "--scenario", "training", "--saves", "2", "--guard"
+        tmp_path,
+        "--device",
+        "cpu",
+        "--scenario",
+        "training",
+        "--saves",
+        "2",
+        "--save-every",
+        "1",
+        "--guard",
     )
     saves = report.rows_by_name(rep, "saves")
     plain = ["plain: first save (registers)", "plain: save 1 (step 4)", "plain: save 2 (step 5)"]

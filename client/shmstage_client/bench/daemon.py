@@ -192,3 +192,17 @@ class BenchDaemon:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
         self.socket = None
+
+
+class PrivateDaemon(BenchDaemon):
+    """A ``shmstaged`` on a socket in a new private temp dir: for tools that may run beside
+    other daemons (``scripts/dcp_gpu_bench.py`` under a test suite). The temp dir is on
+    ``$TMPDIR``'s filesystem, a disk on most machines, as ``/run`` is in a container."""
+
+    def __init__(self) -> None:
+        self.private = tempfile.mkdtemp(prefix="shmstage-bench-sock-")
+        super().__init__(os.path.join(self.private, "shmstaged.sock"))
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.private, ignore_errors=True)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .compute import ComputeLoop, median
+from .daemon import PrivateDaemon
 from .limits import DirectWrite, RawCopy, RawWrite
 from .method import (
     BenchContext,
@@ -402,6 +403,9 @@ METHODS: list[type[Method]] = [
     NvrxTorchAsync,
 ]
 METHOD_NAMES = [m.name for m in METHODS]
+
+#: The name ``scripts/dcp_gpu_bench.py`` imports (a daemon on a private socket).
+ShmstageDaemon = PrivateDaemon
 
 #: Deliberately broken methods for the isolation test, offered only when this is set.
 TEST_METHODS_ENV = "SHMSTAGE_BENCH_TEST_METHODS"

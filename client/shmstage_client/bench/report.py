@@ -131,7 +131,7 @@ def _header(report: dict[str, Any]) -> str:
     what = cfg.get("what") or ""
     gpu = f" ({env['gpu']})" if env.get("gpu") else ""
     return (
-        f"shmstage-bench --scenario {report['scenario']}: {what} on {cfg.get('device', '?')}"
+        f"shmstage-bench --scenario {report['scenario']}: {what}; {cfg.get('device', '?')}"
         f"{gpu}, torch {env['torch']}"
     )
 

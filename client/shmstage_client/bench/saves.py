@@ -121,17 +121,6 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def snapshot(tree: Any) -> Any:
-    """A host copy of ``tree`` taken now: tensors cloned to CPU, containers rebuilt."""
-    if _is_tensor(tree):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, Mapping):
-        return {k: snapshot(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(snapshot(v) for v in tree)
-    return tree
-
-
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 

@@ -169,7 +169,7 @@ def measure(job: TrainingJob) -> dict[str, Any]:
         for record, handle in zip(records, handles, strict=True):
             finish(record, handle, clock, job.wait_timeout)
     reaper.close()
-    _compare(first, kept)
+    _compare(kept)
     for mirror in mirrors:
         mirror.close()
     return {
@@ -185,7 +185,7 @@ def measure(job: TrainingJob) -> dict[str, Any]:
     }
 
 
-def _compare(first: SaveRecord, kept: list[tuple[SaveRecord, Any]]) -> None:
+def _compare(kept: list[tuple[SaveRecord, Any]]) -> None:
     """Load each kept checkpoint back and compare it with the state at its call."""
     from shmstage_client import load
 
