@@ -64,8 +64,7 @@ class DaemonInfo:
     def describe(self) -> str:
         who = "started by the bench" if self.started_by_bench else "already running"
         journal = (
-            f"journal {self.journal} ({self.journal_filesystem}; from the daemon's "
-            f"{self.journal_source})"
+            f"journal {self.journal} ({self.journal_filesystem}; {self.journal_source})"
             if self.journal
             else f"journal: {self.journal_source}"
         )
@@ -159,21 +158,22 @@ class BenchDaemon:
                 status = client.status()
         journal = _journal_in(status)
         if journal:
-            info.journal, info.journal_source = journal, "status"
+            info.journal, info.journal_source = journal, "from the daemon's status"
         else:
             lines = self.log_text().splitlines()
             info.log_lines = [line for line in lines if "journal" in line.lower()][:5]
             for line in info.log_lines:
                 found = _JOURNAL_IN_LOG.search(line)
                 if found:
-                    info.journal, info.journal_source = found.group(1), "start-up log"
+                    info.journal = found.group(1)
+                    info.journal_source = "from the daemon's start-up log"
                     break
         if not info.journal:  # an older daemon says nothing: look beside its socket
             sock = Path(self.socket)
             beside = sorted(sock.parent.glob(f"{sock.name}*journal*"))
             if beside:
                 info.journal = str(beside[0])
-                info.journal_source = "socket's directory (the daemon does not report it)"
+                info.journal_source = "found beside the socket: the daemon does not report it"
         if info.journal:
             info.journal_filesystem = filesystem_of(info.journal)
         return info
@@ -184,7 +184,7 @@ class BenchDaemon:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -2,7 +2,7 @@
 as the client reports them, when it became durable, and whether it is bit-exact.
 
 The parts come from the save's result or handle: ``stall_seconds`` (the client's own
-wall-clock stall), ``setup_seconds``, ``slot_wait_seconds``, ``copy_seconds``,
+wall-clock stall), ``prepare_seconds``, ``setup_seconds``, ``slot_wait_seconds``, ``copy_seconds``,
 ``commit_seconds``, ``persist_seconds``. Clients that predate a field show "-" for it: they
 are read with ``getattr`` so the bench runs against any client version. A slot wait is
 *backpressure* — saves asked for faster than the disk writes them — and is reported apart
@@ -12,6 +12,7 @@ from the stall it is part of.
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import statistics
 import threading
@@ -27,6 +28,7 @@ from .report import Column
 
 PARTS = (
     "stall_seconds",
+    "prepare_seconds",
     "setup_seconds",
     "slot_wait_seconds",
     "copy_seconds",
@@ -109,9 +111,10 @@ class DurableClock:
         phase = getattr(event, "phase", "")
         if phase in ("durable", "failed"):
             with self._lock:
-                self.at[str(event.path)] = time.perf_counter()
+                key = os.path.realpath(event.path)
+                self.at[key] = time.perf_counter()
                 if phase == "failed":
-                    self.failed[str(event.path)] = str(getattr(event, "error", ""))
+                    self.failed[key] = str(getattr(event, "error", ""))
 
 
 # ----------------------------------------------------------------- bit-exactness
@@ -215,7 +218,7 @@ def finish(record: SaveRecord, handle: Any, clock: DurableClock, timeout: float)
         record.parts = save_parts(handle, None)
         return None
     record.parts = save_parts(handle, result)
-    record.durable_at = clock.at.get(record.path, time.perf_counter())
+    record.durable_at = clock.at.get(os.path.realpath(record.path), time.perf_counter())
     return result
 
 
@@ -250,6 +253,7 @@ SAVE_COLUMNS = [
     Column("stall_net_s", "stall-bp"),
     Column("stall_vs_raw_copy", "÷copy", "x", 6),
     Column("stall_seconds", "client s"),
+    Column("prepare_seconds", "prep. s"),
     Column("setup_seconds", "setup s"),
     Column("copy_seconds", "copy s"),
     Column("commit_seconds", "commit s"),
@@ -261,8 +265,9 @@ SAVE_NOTES = [
     "stall: wall clock around save() on the trainer's thread; backpr.: its slot wait "
     "(saves asked for faster than the disk writes them); stall-bp: the stall without it, "
     "÷copy: stall-bp ÷ the raw pinned copy of the same bytes in the same run.",
-    "client/setup/copy/commit/persist: the client's own figures (result fields "
-    "stall_seconds, setup_seconds, copy_seconds, commit_seconds, persist_seconds); "
+    "client/prep./setup/copy/commit/persist: the client's own figures (result fields "
+    "stall_seconds, prepare_seconds, setup_seconds, copy_seconds, commit_seconds, "
+    "persist_seconds); "
     "- where this client does not report them.",
 ]
 

@@ -20,7 +20,7 @@ from .daemon import BenchDaemon
 from .isolation import Child, Outcome, describe_exception, run_isolated
 
 #: Kept back from ``--budget`` for stopping the daemon and drawing the report.
-REPORT_RESERVE_S = 15.0
+REPORT_RESERVE_S = 30.0
 
 
 class BenchSession:
