@@ -268,7 +268,10 @@ def run_isolated(
     sink: TextIO | None = None,
 ) -> Outcome:
     """Run ``fn(*args)`` in a child and return how it ended; never raises for the child."""
-    child = Child(name, fn, args, workdir=workdir, start_method=start_method, sink=sink)
+    try:
+        child = Child(name, fn, args, workdir=workdir, start_method=start_method, sink=sink)
+    except Exception as exc:  # e.g. the fork server could not start
+        return Outcome(error=f"could not start its process: {describe_exception(exc)}")
     try:
         return child.result(timeout)
     finally:

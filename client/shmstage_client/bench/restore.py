@@ -220,7 +220,10 @@ def restart_restore(job: RestoreJob) -> dict[str, Any]:
 
 def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, Any]:
     """Trainer saves and is SIGKILLed once durable; a new process restores."""
-    child = session.child("restart-trainer", restart_trainer, (job,))
+    try:
+        child = session.child("restart-trainer", restart_trainer, (job,))
+    except Exception as exc:
+        return {"status": "error", "error": f"trainer not started: {describe_exception(exc)}"}
     try:
         acknowledged = child.next_message(session.part_timeout(timeout))
         durable = child.next_message(session.part_timeout(timeout))
