@@ -38,6 +38,9 @@ EXIT_CONFIG: Final = 78  # sysexits.h EX_CONFIG; RestartPreventExitStatus= in th
 _OVERRIDES: Final = {
     "socket": "socket_path",
     "writer_threads": "writer_threads",
+    "io_threads": "io_threads",
+    "write_chunk": "write_chunk",
+    "write_buffers": "write_buffers",
     "shutdown_timeout": "shutdown_timeout",
     "log_level": "log_level",
     "log_format": "log_format",
@@ -76,7 +79,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix socket to listen on (default: [server] socket_path, else $SHMSTAGE_SOCKET, "
         "else /run/shmstage/shmstaged.sock as root, else a per-user path)",
     )
-    parser.add_argument("--writer-threads", type=int, default=None)
+    parser.add_argument(
+        "--writer-threads",
+        type=int,
+        default=None,
+        help="checkpoints written at once; more wait, started in turns between users (16)",
+    )
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=None,
+        help="threads writing data, shared in turns by all checkpoints: the disk's queue "
+        "depth (4)",
+    )
+    parser.add_argument(
+        "--write-chunk",
+        default=None,
+        help='bytes per data write, a multiple of 4096 ("4MiB")',
+    )
+    parser.add_argument(
+        "--write-buffers",
+        default=None,
+        help='memory for data being written, all checkpoints together; released when idle '
+        '("64MiB")',
+    )
+    parser.add_argument(
+        "--no-direct-io",
+        action="store_true",
+        help="write through the page cache (written out and dropped as it goes) even where "
+        "the filesystem takes O_DIRECT",
+    )
     parser.add_argument(
         "--no-fsync",
         action="store_true",
@@ -108,6 +140,8 @@ def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
         out["socket_path"] = Path(out["socket_path"]).absolute()
     if args.no_fsync:
         out["fsync"] = "never"
+    if args.no_direct_io:
+        out["direct_io"] = False
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -130,6 +164,10 @@ def settings_of(config: Config) -> Settings:
         limits=Limits(**limits),
         allowlist=Allowlist(config.allowed_users, config.allowed_groups),
         writer_threads=config.writer_threads,
+        io_threads=config.io_threads,
+        write_chunk=int(config.write_chunk),
+        write_buffers=int(config.write_buffers),
+        direct_io=config.direct_io,
         fsync=config.fsync == "always",
         shutdown_timeout=config.shutdown_timeout,
         default_slots=config.default_slots,
@@ -152,7 +190,10 @@ def describe(config: Config) -> str:
         f"  per client       max_bytes {max_bytes}, max_segments {config.max_segments}, "
         f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",
         f"  default_slots    {config.default_slots}",
-        f"  storage          writer_threads {config.writer_threads}, fsync {config.fsync}",
+        f"  storage          writer_threads {config.writer_threads}, io_threads "
+        f"{config.io_threads}, write_chunk {format_size(int(config.write_chunk))}, "
+        f"write_buffers {format_size(int(config.write_buffers))}, direct_io "
+        f"{'on' if config.direct_io else 'off'}, fsync {config.fsync}",
         f"  log              level {config.log_level}, format {config.log_format}",
     ]
     lines += [f"warning: {w}" for w in config.warnings]

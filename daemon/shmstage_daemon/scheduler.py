@@ -101,8 +101,10 @@ class Chunk:
     buffer: _Buffer
     offset: int
     length: int = 0
-    #: Bytes of tensor data in it (the rest is header), for progress.
+    #: Bytes of tensor data in it (the rest is header), and how many of them progress
+    #: already counted (a chunk written through early is written again later).
     data_bytes: int = 0
+    counted: int = 0
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -137,7 +139,7 @@ class WriteScheduler:
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         direct: bool = True,
         stall_seconds: float = STALL_S,
-        name: str = "shmstage-io",
+        name: str = "shmstage-disk",
     ) -> None:
         if chunk_bytes < BLOCK or chunk_bytes % BLOCK:
             raise ValueError(f"chunk_bytes must be a multiple of {BLOCK}, not {chunk_bytes}")
@@ -286,9 +288,7 @@ class WriteScheduler:
                 del self._running[me]
                 writes.writing -= 1
                 if error is None:
-                    writes.written += chunk.length
-                    if writes.progress is not None:
-                        writes.progress.written += chunk.data_bytes
+                    writes.count(chunk)
                 else:
                     self._fail(writes, error)
                 self._give_back(writes, chunk)
@@ -337,7 +337,6 @@ class JobWrites:
         self.held = 0  # buffers out of the pool: being gathered, queued or being written
         self.queued = 0
         self.writing = 0
-        self.written = 0
         self._gathering: list[Chunk] = []
         self._closed = False
 
@@ -398,6 +397,14 @@ class JobWrites:
         self.drain()
         chunk.verify()
         self.writer.write(chunk.view, chunk.offset, chunk.length)
+        with self.scheduler._cond:
+            self.count(chunk)
+
+    def count(self, chunk: Chunk) -> None:
+        """A chunk is in the file: progress for ``shmstage status`` (under the pool's lock)."""
+        if self.progress is not None:
+            self.progress.written += chunk.data_bytes - chunk.counted
+        chunk.counted = chunk.data_bytes
 
     def close(self) -> None:
         if self._closed:
