@@ -36,7 +36,7 @@ from typing import Any
 from shmstage_daemon import job, scheduler
 from shmstage_daemon.admission import Peer
 
-from shmstage import datafile, names, segment
+from shmstage import datafile, instance, names, segment
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.units import format_size, parse_size
@@ -150,20 +150,22 @@ def raw_write(path: Path, total: int, *, direct: bool, threads: int, chunk: int)
 
 
 def timed(runs: int, prepare: Callable[[int], Any], run: Callable[[Any], Any]) -> dict[str, Any]:
-    seconds, dirty, cached_peak, cached_after, extra = [], [], [], [], None
+    seconds, cpu, dirty, cached_peak, cached_after, extra = [], [], [], [], [], None
     for attempt in range(runs):
         state = prepare(attempt)
         os.sync()
         with MemInfo() as memory:
-            started = time.perf_counter()
+            started, used = time.perf_counter(), time.process_time()
             extra = run(state)
             seconds.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - used)
         dirty.append(memory.peak_dirty)
         cached_peak.append(memory.cached_peak - memory.cached_before)
         cached_after.append(memory.cached_after - memory.cached_before)
     return {
         "seconds": statistics.median(seconds),
         "all_seconds": seconds,
+        "cpu_seconds": statistics.median(cpu),
         "peak_dirty_writeback": max(dirty),
         "cached_growth_peak": max(cached_peak),
         "cached_growth_after": max(cached_after),
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         direct=not args.buffered,
     )
     scheduler.install(disk)
-    instance = segment.new_instance_id()
+    # A held instance lock, so that no daemon on this node reaps the segments as a dead
+    # instance's leftovers while the benchmark runs.
+    lock = instance.InstanceLock.claim()
     args.dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     print(
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'buffered' if args.buffered else 'direct'}",
         flush=True,
     )
-    refs = [stage(instance, sizes) for _ in range(args.jobs)]
+    refs = [stage(lock.instance, sizes) for _ in range(args.jobs)]
     try:
         scratch = args.dir / "raw"
 
@@ -269,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in refs:
             for ref in group:
                 segment.unlink(ref.name)
+        lock.release()
         disk.close()
 
     nbytes = total * args.jobs
@@ -276,14 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     buffered = rows.get("raw buffered write", {}).get("seconds")
     print(
         f"{'method':<26}{'median s':>10}{'GB/s':>8}{'/direct':>9}{'/buffered':>10}"
-        f"{'dirty+wb peak':>15}{'cached +peak':>14}{'cached +after':>15}"
+        f"{'cpu s/GiB':>10}{'dirty+wb peak':>15}{'cached +peak':>14}{'cached +after':>15}"
     )
     for name, row in rows.items():
         ratio = f"{row['seconds'] / limit:.2f}" if limit else "-"
         vs_buffered = f"{row['seconds'] / buffered:.2f}" if buffered else "-"
         print(
             f"{name:<26}{row['seconds']:>10.3f}{nbytes / row['seconds'] / 1e9:>8.2f}"
-            f"{ratio:>9}{vs_buffered:>10}{format_size(row['peak_dirty_writeback']):>15}"
+            f"{ratio:>9}{vs_buffered:>10}{row['cpu_seconds'] / (nbytes / 2**30):>10.3f}"
+            f"{format_size(row['peak_dirty_writeback']):>15}"
             f"{format_size(max(0, row['cached_growth_peak'])):>14}"
             f"{format_size(max(0, row['cached_growth_after'])):>15}"
         )
