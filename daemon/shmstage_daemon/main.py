@@ -191,9 +191,10 @@ def describe(config: Config) -> str:
         f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",
         f"  default_slots    {config.default_slots}",
         f"  storage          writer_threads {config.writer_threads}, io_threads "
-        f"{config.io_threads}, write_chunk {format_size(int(config.write_chunk))}, "
-        f"write_buffers {format_size(int(config.write_buffers))}, direct_io "
-        f"{'on' if config.direct_io else 'off'}, fsync {config.fsync}",
+        f"{config.io_threads}, fsync {config.fsync}",
+        f"  data writes      write_chunk {format_size(int(config.write_chunk))}, write_buffers "
+        f"{format_size(int(config.write_buffers))}, direct_io "
+        f"{'on' if config.direct_io else 'off'}",
         f"  log              level {config.log_level}, format {config.log_format}",
     ]
     lines += [f"warning: {w}" for w in config.warnings]
