@@ -157,6 +157,22 @@ def test_io_error_eio_via_the_test_only_shim(daemons, tmp_path: Path) -> None:
     assert_checkpoint_equals(tmp_path / "after", make_state(4))
 
 
+def test_bytes_corrupted_in_memory_before_their_write_are_never_published(
+    daemons, tmp_path: Path
+) -> None:
+    """Failing memory cannot be caused for real: the test-only ``flip-gathered:1`` shim
+    flips a bit in the first chunk the writer gathered, after its checksums were taken. The
+    I/O thread checks the chunk again right before writing it: the save fails naming the
+    tensor, nothing is published, and the daemon goes on writing correct checkpoints."""
+    daemon = daemons(env={"SHMSTAGE_FAULT": "flip-gathered:1"})
+    with Stager(daemon.socket) as stager:
+        with pytest.raises(PersistError, match="changed in the daemon's memory") as info:
+            stager.save(single_tensor_state(6), tmp_path / "victim").wait(60)
+        assert info.value.code == "internal" and "tensor 'w'" in str(info.value)
+        assert_clean_failure(tmp_path / "victim")
+    serves_on(daemon, tmp_path / "after")
+
+
 def test_failure_after_the_commit_marker_unpublishes_it(daemons, tmp_path: Path) -> None:
     """The directory fsync is the job's last step, after the manifest has its name; if it
     fails (test-only ``eio-sync-dir`` shim) the manifest must go first, then the data —
