@@ -135,9 +135,10 @@ def test_a_direct_write_leaves_the_file_out_of_the_page_cache(
     tmp_path: Path, instance_id: str
 ) -> None:
     """Where the filesystem takes direct I/O, none of the 24 MiB stays cached after the job."""
-    probe = tmp_path / "probe"
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    os.close(fd)
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     tensors = tensors_of([8 << 20, 8 << 20, (8 << 20) + 13])
     persist = staged_job(tmp_path / "c", instance_id, tensors)
     assert job.run(persist).ok
