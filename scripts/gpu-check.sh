@@ -8,6 +8,8 @@
 #   training      ≥ 7 GiB of model + AdamW state, with and without guard() (issues 12, 14)
 #   restore       8 GiB / 500 tensors: load cold/warm/memory, restart after SIGKILL (issue 15)
 #   dcp-2gpu      DCP through shmstage on 2 GPUs
+#   write         the writer alone against the disk's direct-I/O and buffered limits (issue 13)
+#   register      a first save's setup, step by step (issue 13: <= 0.15 s/GiB)
 # Each bench step writes OUTDIR/STEP.json and OUTDIR/STEP.png and appends its text to
 # OUTDIR/log.txt (with machine.txt: at most 8 files for 3 bench steps per call). Each is
 # bounded by --budget 540 (the bench still writes its report when the budget is spent)
@@ -50,6 +52,23 @@ for what in "$@"; do
     dcp-2gpu) python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
              scripts/dcp_gpu_bench.py --start-daemon --dir /var/tmp/dcp-bench \
              --json "$out/dcp-2gpu.json" 2>&1 | tee "$out/dcp-2gpu.txt" ;;
+    write) wdir=${TMPDIR:-/tmp}/shmstage-wbench  # the daemon's writer against the disk's limits
+           for case in "8GiB 500 1" "1GiB 10000 1" "1GiB 100 8"; do
+             read -r size tensors jobs <<< "$case"
+             python3 scripts/write_bench.py --dir "$wdir" --size "$size" --tensors "$tensors" \
+               --jobs "$jobs" --owners "$(( jobs > 1 && EUID == 0 ? 2 : 1 ))" --runs 3 \
+               --json "$out/write-$size-$tensors-$jobs.json" 2>&1 | tee -a "$out/write.txt"
+           done
+           python3 scripts/write_bench.py --dir "$wdir" --size 8GiB --tensors 500 --runs 3 \
+             --buffered --skip-limits 2>&1 | tee -a "$out/write.txt"
+           rm -rf "$wdir" ;;
+    register) for case in "8GiB 500" "1GiB 10000"; do  # a first save's setup, step by step
+             read -r size tensors <<< "$case"
+             for threads in 1 8; do
+               python3 scripts/registration_bench.py --size "$size" --tensors "$tensors" \
+                 --slots 2 --threads "$threads" 2>&1 | tee -a "$out/register.txt"
+             done
+           done ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
 done

@@ -76,7 +76,9 @@ def setup_groups(sizes: Sequence[int], max_threads: int = MAX_SETUP_THREADS) -> 
     return [sorted(group) for group in groups if group]
 
 
-def in_parallel(sizes: Sequence[int], work: Callable[[int], None]) -> None:
+def in_parallel(
+    sizes: Sequence[int], work: Callable[[int], None], max_threads: int = MAX_SETUP_THREADS
+) -> None:
     """Call ``work(i)`` for every index, one thread per ``setup_groups`` group.
 
     After a failure every group stops at its next item, and once all threads have
@@ -84,7 +86,7 @@ def in_parallel(sizes: Sequence[int], work: Callable[[int], None]) -> None:
     record what it made so that the caller can undo it. With one group everything runs in
     the calling thread.
     """
-    groups = setup_groups(sizes)
+    groups = setup_groups(sizes, max_threads)
     if len(groups) <= 1:
         for group in groups:
             for index in group:

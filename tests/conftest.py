@@ -49,8 +49,11 @@ def raw_client(daemon: RunningDaemon) -> Iterator[Callable[..., RawClient]]:
 
 @pytest.fixture
 def instance_id() -> Iterator[str]:
-    """A daemon instance id for in-process tests of jobs and the journal; its segments go."""
-    made = segment.new_instance_id()
-    yield made
-    for name in segment.list_names(made):
+    """A live daemon instance for in-process tests of jobs and the journal: its lock is held
+    (so that no daemon on the node, this suite's or another's, reaps its segments as a dead
+    instance's while a test uses them), and its segments go after the test."""
+    lock = instance.InstanceLock.claim()
+    yield lock.instance
+    for name in segment.list_names(lock.instance):
         segment.unlink(name)
+    lock.release()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -256,3 +257,26 @@ def staged_job(
         save_info={},
         peer=peer,
     )
+
+
+def resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache: mincore(2) on a mapping of it, which reads nothing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = path.stat().st_size
+    vector = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    finally:
+        os.close(fd)
+    try:
+        assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
+    finally:
+        libc.munmap(address, size)
+    return sum(byte & 1 for byte in vector.raw)

@@ -32,6 +32,10 @@ _HOST_REGISTER_PORTABLE: Final = 0x01
 #: Well below the 512 GiB at which a single registration fails.
 MAX_REGISTER_BYTES: Final = 256 << 30
 _PAGE: Final = mmap.PAGESIZE
+_MADV_POPULATE_WRITE: Final = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 
 
 class PinError(RuntimeError):
@@ -100,7 +104,7 @@ class PinnedRanges:
             buffer = buffers[index]
             if buffer.numel() == 0:
                 return
-            _touch(buffer)
+            prefault(buffer)
             address, size = buffer.data_ptr(), buffer.numel()
             for start in range(0, size, MAX_REGISTER_BYTES):
                 length = min(MAX_REGISTER_BYTES, size - start)
@@ -139,8 +143,22 @@ class PinnedRanges:
             )
 
 
-def _touch(buffer: torch.Tensor) -> None:
-    """Fault the pages in first: registering touched pages is ~10x cheaper."""
+def prefault(buffer: torch.Tensor) -> None:
+    """Fault the pages in, writable, before registering them: cudaHostRegister costs
+    ~0.034 s/GiB on pages already in the page table against ~0.33 on untouched ones.
+
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) has the kernel fill the page table in one
+    call, without a trap per page and without writing to the memory (on a loaded 2-core
+    host: 0.27-0.32 s/GiB against 0.38-0.46 for a write to every page from torch); older
+    kernels refuse it (EINVAL) and get one zeroed byte per page instead. Called on each
+    setup thread's own piece (``PinnedRanges.register``).
+    """
+    address, size = buffer.data_ptr(), buffer.numel()
+    if size == 0:
+        return
+    start = address - address % _PAGE
+    if _libc.madvise(start, size + address - start, _MADV_POPULATE_WRITE) == 0:
+        return
     buffer[::_PAGE].zero_()
 
 

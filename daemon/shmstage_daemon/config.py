@@ -315,6 +315,30 @@ _users = _ids("user", lambda name: pwd.getpwnam(name).pw_uid)
 _groups = _ids("group", lambda name: grp.getgrnam(name).gr_gid)
 
 
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Invalid("expected true or false")
+
+
+def _block_size(low: int, high: int) -> Callable[[Any], int]:
+    """A size in [low, high] that is a multiple of 4096 (direct I/O writes whole blocks)."""
+
+    def convert(value: Any) -> int:
+        try:
+            nbytes = parse_size(value)
+        except ValueError:
+            nbytes = -1
+        if not low <= nbytes <= high or nbytes % 4096:
+            raise _Invalid(
+                f"expected a size from {format_size(low)} to {format_size(high)} that is a "
+                'multiple of 4096 bytes, like "4MiB"'
+            )
+        return nbytes
+
+    return convert
+
+
 def _budget(value: Any) -> int | str:
     return _budget_spec(value)
 
@@ -336,6 +360,10 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "max_jobs": ("limits", "max_jobs", _int_at_least(1)),
     "default_slots": ("limits", "default_slots", _int_between(1, 8)),
     "writer_threads": ("storage", "writer_threads", _int_between(1, 64)),
+    "io_threads": ("storage", "io_threads", _int_between(1, 64)),
+    "write_chunk": ("storage", "write_chunk", _block_size(64 << 10, 256 << 20)),
+    "write_buffers": ("storage", "write_buffers", _block_size(64 << 10, 16 << 30)),
+    "direct_io": ("storage", "direct_io", _boolean),
     "fsync": ("storage", "fsync", _choice(*FSYNC_POLICIES)),
     "log_level": ("log", "level", _choice(*LOG_LEVELS)),
     "log_format": ("log", "format", _choice(*LOG_FORMATS)),
@@ -381,7 +409,11 @@ class Config:
     max_layouts: int = 16
     max_jobs: int = 4
     default_slots: int = 2
-    writer_threads: int = 4
+    writer_threads: int = 16
+    io_threads: int = 4
+    write_chunk: int | str = "4MiB"
+    write_buffers: int | str = "64MiB"
+    direct_io: bool = True
     fsync: str = "always"
     log_level: str = "info"
     log_format: str = "text"
@@ -400,6 +432,10 @@ class Config:
                 problems.append(_problem(name, raw, str(exc)))
         if problems:
             raise ConfigError(problems)
+        chunk, buffers = int(self.write_chunk), int(self.write_buffers)  # converted above
+        if buffers < chunk:
+            why = f"must hold at least one write_chunk ({format_size(chunk)})"
+            raise ConfigError(_problem("write_buffers", buffers, why))
         object.__setattr__(self, "allowed_users", self.allowed_users | _own_and_root())
         capacity = measure_shm()
         budget = resolve_budget(self.shm_budget, capacity=capacity)

@@ -13,7 +13,9 @@ thread that reached the point (only the n-th time it is reached, with ``@n``) an
 removes the directory, or whatever the case needs. The one error action,
 ``eio-<point>:<n>``, makes the n-th write at that point fail with EIO: a shim for the one
 storage fault a test cannot cause for real on this kernel (no device-mapper); the tests that
-use it say so.
+use it say so. ``flip-gathered:<n>`` flips a bit in the n-th chunk the writer gathered,
+after its checksums were taken and before it is written: a shim for memory corruption,
+which no test can cause for real, to show it is caught before anything is published.
 
 The variable is read once, when the daemon starts, and never again. It is for the test
 suite: production units never set it, and with it unset every hook is a dictionary miss.
@@ -41,12 +43,14 @@ POINTS: Final = frozenset(
         "before-manifest",  # in the writer, after the data file has its final name
         "write",  # every data write of the writer (only with eio-)
         "sync-dir",  # the writer's last step, after the manifest has its name (eio-)
+        "gathered",  # each chunk the writer gathered, before it is queued (only with flip-)
     }
 )
-ACTIONS: Final = ("pause", "eio")
+ACTIONS: Final = ("pause", "eio", "flip")
 
 _pauses: dict[str, tuple[float, int | None]] = {}
 _eio: dict[str, int] = {}
+_flips: dict[str, int] = {}
 _counters: dict[str, itertools.count[int]] = {}
 _lock = threading.Lock()
 
@@ -60,6 +64,7 @@ def load(spec: str | None = None) -> list[str]:
     spec = os.environ.get(ENV, "") if spec is None else spec
     _pauses.clear()
     _eio.clear()
+    _flips.clear()
     _counters.clear()
     armed = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -75,12 +80,17 @@ def load(spec: str | None = None) -> list[str]:
                 seconds, _, nth = value.partition("@")
                 _pauses[point] = (float(seconds), int(nth) if nth else None)
             else:
-                _eio[point] = int(value)
+                (_eio if action == "eio" else _flips)[point] = int(value)
             _counters[point] = itertools.count(1)
         except ValueError:
             raise FaultSpecError(f"{ENV}: {item!r} has a bad value") from None
         armed.append(item)
     return armed
+
+
+def armed(point: str) -> bool:
+    """Whether a test armed ``point`` (for hooks that need preparing before they fire)."""
+    return point in _pauses or point in _eio or point in _flips
 
 
 def pause(point: str) -> None:
@@ -109,3 +119,14 @@ def maybe_eio(point: str) -> None:
     if nth == target:
         log.warning("fault: injecting EIO at %s (call %d, %s is set)", point, nth, ENV)
         raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def maybe_flip(point: str, data: memoryview, length: int) -> None:
+    """Flip the lowest bit of the last of ``length`` bytes on the armed call at this point."""
+    target = _flips.get(point)
+    if target is None or length == 0:
+        return
+    nth = _next(point)
+    if nth == target:
+        log.warning("fault: flipping a bit at %s (call %d, %s is set)", point, nth, ENV)
+        data[length - 1] ^= 1

@@ -16,30 +16,23 @@ name; names are removed only when they are this job's own files (same inode).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
-import mmap
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
-from shmstage import manifest, segment
-from shmstage.checkpoint import checksum
+from shmstage import manifest
 from shmstage.layout import Layout
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import ErrorCode
 from shmstage.segment import SegmentRef
-from shmstage_daemon import faults
+from shmstage_daemon import faults, scheduler
 from shmstage_daemon.admission import Peer, may_write_dir
-
-WRITE_CHUNK: Final = 64 * 1024 * 1024
-#: Tensors smaller than this are copied into a buffer of GATHER_BUFFER bytes and written
-#: with their neighbours rather than mapped one by one (see ``_Stream``).
-GATHER_BYTES: Final = 256 * 1024
-GATHER_BUFFER: Final = 16 * 1024 * 1024
+from shmstage_daemon.chunkwriter import write_all
+from shmstage_daemon.gather import Gatherer
 
 
 @dataclass
@@ -265,173 +258,46 @@ def _storage_message(dest: Destination, step: str, exc: OSError) -> str:
 
 
 def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
-    fd = job.destination.data_fd
+    """Stream the data file (header, then every tensor), and fsync it.
+
+    The bytes go through the process's write scheduler: this thread gathers them into
+    aligned chunks and checksums each tensor as it goes, the scheduler's I/O threads write
+    the chunks, direct where the filesystem allows it (see ``gather``, ``scheduler``).
+    """
+    dest = job.destination
+    fd = dest.data_fd
     size = len(job.header) + job.layout.nbytes
     try:
         os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than halfway through
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-    write_all(fd, job.header, 0)
+    disk = scheduler.shared()
+    writer = disk.writer_for(fd, dest.path)
+    owner = job.peer.uid if job.peer is not None else None
     checksums = []
     job.progress.phase = "writing"
-    with _Stream(fd, len(job.header), job.progress, job.stop) as stream:
-        pairs = zip(job.layout.tensors, job.segments, strict=True)
-        for index, (spec, ref) in enumerate(pairs):
-            if index == 1:
-                stream.drain()  # "mid-stream" means the first tensor is in the file
-                faults.pause("mid-stream")
-            checksums.append(stream.add(ref, spec.nbytes))
-        stream.drain()
-    os.ftruncate(fd, size)
+    try:
+        with disk.open(writer, owner=owner, stop=job.stop, progress=job.progress) as writes:
+            data = Gatherer(writes)
+            data.add_bytes(job.header, "the safetensors header")
+            pairs = zip(job.layout.tensors, job.segments, strict=True)
+            for index, (spec, ref) in enumerate(pairs):
+                if index == 1 and faults.armed("mid-stream"):
+                    data.write_through()  # "mid-stream" means the first tensor is in the file
+                    faults.pause("mid-stream")
+                checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
+            data.finish()
+    except scheduler.Stopped:
+        raise JobInterrupted from None
+    except scheduler.CorruptChunk as exc:
+        raise JobFailed(ErrorCode.INTERNAL, str(exc)) from None
+    writer.finish(size)
     job.progress.phase = "syncing"
-    step.now = f"syncing {job.destination.data_file}"
+    step.now = f"syncing {dest.data_file}"
     if job.fsync:
         os.fsync(fd)
     return size, checksums
-
-
-class _Stream:
-    """Writes tensors back to back from their segments, checksumming while it writes.
-
-    Small tensors are read into a gather buffer (``pread``) and written a buffer at a
-    time: mapping a segment costs ~20 us (open, mmap, faults, munmap), which at 10,000
-    tensors made writing 256 MiB take 0.33 s against 0.10 s for one buffer; copying a
-    tensor under GATHER_BYTES costs less than that. Larger tensors are written straight
-    from their mapping, chunk by chunk.
-
-    Writes run on a thread of the stream's own, one at a time, while this thread checksums
-    and gathers the next buffer or chunk (crc32c and pwrite both release the GIL):
-    serially, checksumming 1 GiB added 0.1 s to its 0.2 s of writing on the H200 host.
-    Leaving the stream (a context manager) waits for that thread, so no write outlives the
-    job and none can land in a descriptor that was closed and reused after a failure.
-    """
-
-    def __init__(
-        self, fd: int, position: int, progress: Progress, stop: threading.Event
-    ) -> None:
-        self.fd = fd
-        self.position = position
-        self.progress = progress
-        self.stop = stop
-        self.writer = concurrent.futures.ThreadPoolExecutor(1, "shmstage-write")
-        #: Two gather buffers, mapped on first use and unmapped by ``close``: anonymous
-        #: mappings go back to the OS, where 16 MiB heap blocks stayed in malloc's arenas
-        #: (daemon RSS grew to ~190 MiB under 8 concurrent clients).
-        self._maps: list[mmap.mmap] = []
-        self.buffers: list[memoryview] = []
-        self.current = 0
-        self.filled = 0
-        self.in_flight: concurrent.futures.Future[None] | None = None
-
-    def add(self, ref: SegmentRef, nbytes: int) -> int:
-        """Write (or gather) one tensor; returns its checksum."""
-        if nbytes == 0:
-            return 0
-        if nbytes >= GATHER_BYTES:
-            self.flush()
-            return self._write_mapped(ref, nbytes)
-        if self.filled + nbytes > GATHER_BUFFER:
-            self.flush()
-        if not self.buffers:
-            self._maps = [mmap.mmap(-1, GATHER_BUFFER) for _ in range(2)]
-            self.buffers = [memoryview(m) for m in self._maps]
-        target = self.buffers[self.current][self.filled : self.filled + nbytes]
-        seg_fd = segment.open_fd(ref, writable=False)
-        try:
-            _read_exactly(seg_fd, target, ref)
-        finally:
-            os.close(seg_fd)
-        self.filled += nbytes
-        return checksum(target)
-
-    def flush(self) -> None:
-        """Start writing the gathered buffer; gathering goes on in the other one."""
-        if self.filled:
-            self._write(self.buffers[self.current][: self.filled])
-            self.current ^= 1
-            self.filled = 0
-
-    def __enter__(self) -> _Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Stop the writer thread (after its last write), then unmap the gather buffers."""
-        with contextlib.suppress(BaseException):
-            self.wait()  # after a failure: that error is already on its way out
-        self.writer.shutdown(wait=True)
-        for view in self.buffers:
-            view.release()
-        for mapping in self._maps:
-            mapping.close()
-
-    def drain(self) -> None:
-        """Write everything gathered and wait until it is written; raises a write error."""
-        self.flush()
-        self.wait()
-
-    def wait(self) -> None:
-        """Until the write in flight is done; raises its error."""
-        in_flight, self.in_flight = self.in_flight, None
-        if in_flight is not None:
-            in_flight.result()
-
-    def _write_mapped(self, ref: SegmentRef, nbytes: int) -> int:
-        seg_fd = segment.open_fd(ref, writable=False)
-        try:
-            mapping = mmap.mmap(seg_fd, ref.size, prot=mmap.PROT_READ)
-        finally:
-            os.close(seg_fd)
-        crc = 0
-        view = memoryview(mapping)
-        chunk = previous = None
-        try:
-            for start in range(0, nbytes, WRITE_CHUNK):
-                chunk = view[start : min(start + WRITE_CHUNK, nbytes)]
-                crc = checksum(chunk, crc)  # while the previous chunk is being written
-                self._write(chunk)
-                if previous is not None:
-                    previous.release()
-                previous = chunk
-        finally:
-            try:
-                self.wait()  # raises a write error; nothing may read the mapping once closed
-            finally:
-                # Released before close: an exported view would make mapping.close()
-                # raise BufferError and hide the write's real error.
-                for held in (chunk, previous, view):
-                    if held is not None:
-                        held.release()
-                mapping.close()
-        return crc
-
-    def _write(self, data: memoryview) -> None:
-        faults.maybe_eio("write")
-        if self.stop.is_set():  # checked per chunk: a stopping daemon waits one chunk at most
-            raise JobInterrupted
-        self.wait()
-        self.in_flight = self.writer.submit(write_all, self.fd, data, self.position)
-        self.position += len(data)
-        self.progress.written += len(data)
-
-
-def _read_exactly(fd: int, target: memoryview, ref: SegmentRef) -> None:
-    done = 0
-    while done < len(target):
-        got = os.preadv(fd, [target[done:]], done)
-        if got == 0:
-            raise OSError(errno.EIO, f"segment {ref.name} ended after {done} bytes")
-        done += got
-
-
-def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        if written == 0:
-            raise OSError(errno.EIO, "write returned 0 bytes")
-        view = view[written:]
-        offset += written
 
 
 def _is_ours(dest: Destination, name: str, fd: int) -> bool:

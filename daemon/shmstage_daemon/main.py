@@ -38,6 +38,9 @@ EXIT_CONFIG: Final = 78  # sysexits.h EX_CONFIG; RestartPreventExitStatus= in th
 _OVERRIDES: Final = {
     "socket": "socket_path",
     "writer_threads": "writer_threads",
+    "io_threads": "io_threads",
+    "write_chunk": "write_chunk",
+    "write_buffers": "write_buffers",
     "shutdown_timeout": "shutdown_timeout",
     "log_level": "log_level",
     "log_format": "log_format",
@@ -82,7 +85,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number,
         default=None,
         metavar="N",
-        help="checkpoints written at once (default 4; restart to change)",
+        help="checkpoints written at once; more wait, started in turns between users "
+        "(default 16; restart to change)",
+    )
+    parser.add_argument(
+        "--io-threads",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="threads writing data, shared in turns by all checkpoints: the disk's queue "
+        "depth (default 4)",
+    )
+    parser.add_argument(
+        "--write-chunk",
+        default=None,
+        metavar="SIZE",
+        help='bytes per data write, a multiple of 4096 (default "4MiB")',
+    )
+    parser.add_argument(
+        "--write-buffers",
+        default=None,
+        metavar="SIZE",
+        help="memory for data being written, all checkpoints together; released when idle "
+        '(default "64MiB")',
+    )
+    parser.add_argument(
+        "--no-direct-io",
+        action="store_true",
+        help="write through the page cache (written out and dropped as it goes) even where "
+        "the filesystem takes O_DIRECT",
     )
     parser.add_argument(
         "--no-fsync",
@@ -190,6 +221,8 @@ def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
         out["fsync"] = "never"
     if args.allow_disk_journal:
         out["allow_disk_journal"] = True
+    if args.no_direct_io:
+        out["direct_io"] = False
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -212,6 +245,10 @@ def settings_of(config: Config) -> Settings:
         limits=Limits(**limits),
         allowlist=Allowlist(config.allowed_users, config.allowed_groups),
         writer_threads=config.writer_threads,
+        io_threads=config.io_threads,
+        write_chunk=int(config.write_chunk),
+        write_buffers=int(config.write_buffers),
+        direct_io=config.direct_io,
         fsync=config.fsync == "always",
         shutdown_timeout=config.shutdown_timeout,
         default_slots=config.default_slots,
@@ -238,7 +275,11 @@ def describe(config: Config) -> str:
         f"  per client       max_bytes {max_bytes}, max_segments {config.max_segments}, "
         f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",
         f"  default_slots    {config.default_slots}",
-        f"  storage          writer_threads {config.writer_threads}, fsync {config.fsync}",
+        f"  storage          writer_threads {config.writer_threads}, io_threads "
+        f"{config.io_threads}, fsync {config.fsync}",
+        f"  data writes      write_chunk {format_size(int(config.write_chunk))}, write_buffers "
+        f"{format_size(int(config.write_buffers))}, direct_io "
+        f"{'on' if config.direct_io else 'off'}",
         f"  log              level {config.log_level}, format {config.log_format}",
     ]
     lines += [f"warning: {w}" for w in config.warnings]

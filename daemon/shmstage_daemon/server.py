@@ -35,9 +35,10 @@ from shmstage.protocol import (
 )
 from shmstage.segment import SegmentRef
 from shmstage.units import format_size
-from shmstage_daemon import __version__, faults, job, journal
+from shmstage_daemon import __version__, faults, job, journal, scheduler
 from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import measure_shm
+from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
 from shmstage_daemon.store import Limits, SlotWire, StagedLayout, Store, StoreError
@@ -65,7 +66,12 @@ class Settings:
     socket_path: Path
     limits: Limits
     allowlist: Allowlist = field(default_factory=Allowlist.default)
-    writer_threads: int = 4
+    writer_threads: int = 16
+    #: The shared data writers (see ``scheduler``); all need a restart to change.
+    io_threads: int = scheduler.DEFAULT_IO_THREADS
+    write_chunk: int = scheduler.DEFAULT_CHUNK_BYTES
+    write_buffers: int = scheduler.DEFAULT_MEMORY_BYTES
+    direct_io: bool = True
     fsync: bool = True
     shutdown_timeout: float = 60.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -108,9 +114,17 @@ class Daemon:
         self._session_ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._lock: instance.InstanceLock | None = None
-        self._writers = concurrent.futures.ThreadPoolExecutor(
-            settings.writer_threads, thread_name_prefix="shmstage-writer"
+        # A job holds its thread from its first chunk to its last fsync; queued jobs start
+        # in turns between users. Their data goes through one fair pool of I/O threads,
+        # which every job in this process uses (also those finished after a restart).
+        self._writers = FairExecutor(settings.writer_threads, "shmstage-writer")
+        self._disk = scheduler.WriteScheduler(
+            io_threads=settings.io_threads,
+            chunk_bytes=settings.write_chunk,
+            memory_bytes=settings.write_buffers,
+            direct=settings.direct_io,
         )
+        scheduler.install(self._disk)
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="shmstage-io")
         # One thread: journal writes stay in order and never queue behind segment creation.
         self._journal_io = concurrent.futures.ThreadPoolExecutor(
@@ -426,8 +440,9 @@ class Daemon:
             setattr(old, name, getattr(new, name))
         self.fsync = new.fsync
         needs_restart = []
-        if new.writer_threads != old.writer_threads:
-            needs_restart.append("writer_threads")
+        for name in ("writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io"):
+            if getattr(new, name) != getattr(old, name):
+                needs_restart.append(name)
         if new.socket_path != old.socket_path and not self.activated:
             needs_restart.append("socket_path")
         return needs_restart
@@ -636,7 +651,8 @@ class Daemon:
         with contextlib.suppress(OSError):  # for status displays only; never used to write
             directory = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
         persist.stop = self._stop_writers
-        future = asyncio.wrap_future(self._writers.submit(job.run, persist), loop=loop)
+        owner = persist.peer.uid if persist.peer is not None else session.peer.uid
+        future = asyncio.wrap_future(self._writers.submit_for(owner, job.run, persist), loop=loop)
         record = JobRecord(persist, session, staged, slot, time.perf_counter(), future, directory)
         self.jobs[persist.id] = record
         future.add_done_callback(lambda f: self._job_done(record, f))

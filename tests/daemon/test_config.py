@@ -123,7 +123,9 @@ def test_without_a_file_the_defaults_apply() -> None:
     config = load_config(None)
     assert config == Config()
     assert config.source is None
-    assert config.writer_threads == 4
+    assert config.writer_threads == 16
+    assert (config.io_threads, config.write_chunk, config.write_buffers) == (4, 4 << 20, 64 << 20)
+    assert config.direct_io is True
     assert config.fsync == "always"
     assert config.default_slots == 2
     assert config.shutdown_timeout == 60.0
@@ -216,6 +218,16 @@ def test_unknown_table_and_top_level_keys_are_rejected(tmp_path: Path) -> None:
             '[storage]\nfsync = "sometimes"\n',
             'fsync = "sometimes": expected one of "always", "never"',
         ),
+        (
+            '[storage]\nwrite_chunk = "1000KB"\n',
+            'write_chunk = "1000KB": expected a size from 64.0 KiB to 256.0 MiB that is a '
+            "multiple of 4096 bytes",
+        ),
+        (
+            '[storage]\nwrite_chunk = "8MiB"\nwrite_buffers = "4MiB"\n',
+            "write_buffers = 4194304: must hold at least one write_chunk (8.0 MiB)",
+        ),
+        ('[storage]\ndirect_io = "yes"\n', 'direct_io = "yes": expected true or false'),
         ('[log]\nlevel = "trace"\n', '[log] level = "trace": expected one of "debug", "info"'),
         ('[log]\nformat = "xml"\n', '[log] format = "xml": expected one of "text", "json"'),
         ('[server]\nsocket_path = "run/s"\n', 'socket_path = "run/s": expected an absolute'),
@@ -438,7 +450,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
                    "metrics_port", "journal_dir", "allow_disk_journal"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "default_slots"],
-        "storage": ["writer_threads", "fsync"],
+        "storage": ["writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io",
+                    "fsync"],
         "log": ["level", "format"],
     }
     for table, keys in table_keys.items():
@@ -451,6 +464,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
             if (table, key) in PACKAGED_SETTINGS:
                 continue
             field = f"log_{key}" if table == "log" else key
+            if isinstance(value, str) and isinstance(getattr(defaults, field), int):
+                value = parse_size(value)  # a size written with its unit
             if field == "allowed_users":
                 assert value == [] and defaults.allowed_users == {os.getuid(), 0}
             elif isinstance(getattr(defaults, field), Path):

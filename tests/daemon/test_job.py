@@ -1,16 +1,30 @@
 """The persist job, in-process on real segments and real files: what it writes is exactly
-the staged bytes, however many tensors and whatever their sizes."""
+the staged bytes, however many tensors and whatever their sizes, and nothing that does not
+verify is ever published.
+
+Files go to ``tmp_path`` (ext4 here, which takes direct I/O), through a write scheduler
+with small chunks, so that block and chunk boundaries fall everywhere in a few MiB.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import random
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from harness import staged_job
+import pytest
+from harness import resident_pages, staged_job
 from safetensors import safe_open
-from shmstage_daemon import job
+from shmstage_daemon import faults, job, scheduler
+from shmstage_daemon.chunkwriter import BLOCK
 
-from shmstage import checkpoint
+from shmstage import checkpoint, names
 from shmstage.layout import TensorSpec
+
+CHUNK = 16 * BLOCK
 
 
 def pattern(index: int, nbytes: int) -> bytes:
@@ -18,20 +32,178 @@ def pattern(index: int, nbytes: int) -> bytes:
     return (bytes(range(index % 7, 256)) * (nbytes // 200 + 1))[:nbytes]
 
 
-def test_many_small_tensors_a_large_one_and_empty_ones_are_written_exactly(
-    tmp_path: Path, instance_id: str
+@pytest.fixture
+def small_chunks() -> Iterator[scheduler.WriteScheduler]:
+    """The process's scheduler for this test: 64 KiB chunks, 3 I/O threads, 6 buffers."""
+    disk = scheduler.WriteScheduler(io_threads=3, chunk_bytes=CHUNK, memory_bytes=6 * CHUNK)
+    previous = scheduler.shared()
+    scheduler.install(disk)
+    yield disk
+    scheduler.install(previous)
+    disk.close()
+
+
+@pytest.fixture
+def fault(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Arm a test-only fault hook in this process (``indirect`` parameter), then disarm."""
+    faults.load(request.param)
+    yield
+    faults.load("")
+
+
+def tensors_of(sizes: list[int]) -> list[tuple[TensorSpec, bytes]]:
+    return [(TensorSpec(f"t{i}", "U8", (n,)), pattern(i, n)) for i, n in enumerate(sizes)]
+
+
+def assert_written_exactly(directory: Path, tensors: list[tuple[TensorSpec, bytes]]) -> None:
+    """Stock safetensors reads every tensor back; every per-tensor checksum matches."""
+    with safe_open(str(directory / "model.safetensors"), "numpy") as f:
+        assert sorted(f.keys()) == sorted(spec.key for spec, _ in tensors)
+        for spec, payload in tensors:
+            assert f.get_tensor(spec.key).tobytes() == payload, spec.key
+    assert checkpoint.verify(directory) == []
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+SIZES_AROUND_BOUNDARIES = [
+    0,
+    1,
+    BLOCK - 1,
+    BLOCK,
+    BLOCK + 1,
+    0,
+    CHUNK - 1,
+    CHUNK,
+    CHUNK + 1,
+    3 * CHUNK + BLOCK - 1,
+    2,
+    0,
+]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        SIZES_AROUND_BOUNDARIES,
+        list(reversed(SIZES_AROUND_BOUNDARIES)),
+        [7],  # a file shorter than one block: the whole file is the padded tail
+        [0, 0, 0],  # only empty tensors
+        [CHUNK - 4096],  # header + data end exactly on a chunk boundary
+    ],
+    ids=["around-boundaries", "reversed", "one-tiny-tensor", "only-empty", "exactly-a-chunk"],
+)
+def test_tensor_sizes_around_block_and_chunk_boundaries_are_written_exactly(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, sizes: list[int]
 ) -> None:
-    """Small tensors are gathered into a buffer (more than fit in one), larger ones are
-    written from their mappings (one over WRITE_CHUNK in several chunks), between them."""
-    small = [3, 0, job.GATHER_BYTES - 1, 17]
-    count = 2 * job.GATHER_BUFFER // sum(small) + 1
-    sizes = small * count + [job.GATHER_BYTES, job.WRITE_CHUNK + 5, 0, 1000, 2]
-    tensors = [(TensorSpec(f"t{i}", "U8", (n,)), pattern(i, n)) for i, n in enumerate(sizes)]
+    tensors = tensors_of(sizes)
     persist = staged_job(tmp_path / "c", instance_id, tensors)
     result = job.run(persist)
     assert result.ok, result.message
-    with safe_open(str(tmp_path / "c" / "model.safetensors"), "numpy") as f:
-        for spec, payload in tensors:
-            assert f.get_tensor(spec.key).tobytes() == payload, spec.key
-    assert checkpoint.verify(tmp_path / "c") == []  # every per-tensor checksum matches
+    size = len(persist.header) + sum(sizes)
+    assert (tmp_path / "c" / "model.safetensors").stat().st_size == size  # padding cut off
+    assert result.bytes == size
+    assert_written_exactly(tmp_path / "c", tensors)
     assert persist.progress.written == sum(sizes)
+    assert entries(tmp_path / "c") == ["model.safetensors", "shmstage-manifest.json"]
+
+
+def test_many_small_tensors_are_gathered_into_shared_chunks(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler
+) -> None:
+    """2,000 tensors of 0 to 3 KiB: most chunks hold dozens of tensors, many tensors
+    straddle two chunks; more chunks than the pool has buffers."""
+    rng = random.Random(7)
+    tensors = tensors_of([rng.randrange(0, 3 * 1024) for _ in range(2000)])
+    persist = staged_job(tmp_path / "c", instance_id, tensors)
+    assert job.run(persist).ok
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
+def test_default_chunks_a_tensor_larger_than_a_chunk(tmp_path: Path, instance_id: str) -> None:
+    """The daemon's default chunk size, with a tensor of several chunks that ends unaligned."""
+    chunk = scheduler.shared().chunk_bytes
+    tensors = tensors_of([5, 2 * chunk + 3, chunk - 5, 1000])
+    persist = staged_job(tmp_path / "c", instance_id, tensors)
+    assert job.run(persist).ok
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
+def test_a_direct_write_leaves_the_file_out_of_the_page_cache(
+    tmp_path: Path, instance_id: str
+) -> None:
+    """Where the filesystem takes direct I/O, none of the 24 MiB stays cached after the job."""
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    tensors = tensors_of([8 << 20, 8 << 20, (8 << 20) + 13])
+    persist = staged_job(tmp_path / "c", instance_id, tensors)
+    assert job.run(persist).ok
+    cached = resident_pages(tmp_path / "c" / "model.safetensors")
+    assert cached <= 2, f"{cached} pages of the data file are in the page cache"
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
+@pytest.mark.parametrize("fault", ["flip-gathered:2"], indirect=True)
+def test_bytes_changed_between_gather_and_write_are_never_published(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, fault: None
+) -> None:
+    """Memory corruption cannot be caused for real: the test-only ``flip-gathered`` shim
+    flips a bit in the second gathered chunk after its checksums were taken. The I/O thread
+    checks the chunk again before writing it, so the job fails and removes its files."""
+    tensors = tensors_of([CHUNK // 2, 3 * CHUNK, 100])
+    persist = staged_job(tmp_path / "c", instance_id, tensors)
+    result = job.run(persist)
+    assert not result.ok and result.code == "internal", result
+    assert "tensor 't1'" in result.message and "changed in the daemon's memory" in result.message
+    assert "nothing was published" in result.message
+    assert entries(tmp_path / "c") == []
+
+
+class LogLines(logging.Handler):
+    """Collects the daemon's log records and signals when one contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = threading.Event()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        self.lines.append(line)
+        if self.text in line:
+            self.seen.set()
+
+
+@pytest.mark.parametrize("fault", ["pause-mid-stream:1"], indirect=True)
+def test_a_stop_mid_stream_interrupts_the_job_and_keeps_its_files(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, fault: None
+) -> None:
+    """The daemon's stop token, set while the job is held mid-stream for a second by the
+    ``pause-mid-stream`` hook (the first tensor is in the file by then): the job stops at
+    its next chunk and returns ``interrupted``, leaving both temporary files for the
+    journal — nothing removed, nothing published."""
+    lines = LogLines("fault: pausing at mid-stream")
+    logger = logging.getLogger("shmstaged.faults")
+    logger.addHandler(lines)
+    try:
+        tensors = tensors_of([100, 5 * CHUNK, 7])
+        persist = staged_job(tmp_path / "c", instance_id, tensors)
+        results: list[job.JobResult] = []
+        runner = threading.Thread(target=lambda: results.append(job.run(persist)))
+        runner.start()
+        assert lines.seen.wait(60), lines.lines
+        persist.stop.set()
+        runner.join(60)
+    finally:
+        logger.removeHandler(lines)
+    assert results and results[0].interrupted and not results[0].ok, results
+    assert "stopped while writing model.safetensors" in results[0].message
+    left = entries(tmp_path / "c")
+    assert len(left) == 2 and all(names.is_temp(name) for name in left), left
+    data = next(tmp_path / "c" / name for name in left if "model" in name)
+    assert data.read_bytes()[len(persist.header) : len(persist.header) + 100] == pattern(0, 100)

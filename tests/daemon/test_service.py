@@ -114,6 +114,21 @@ def test_bad_configuration_stops_the_daemon_before_it_serves(
     assert not sock.exists()  # it never served
 
 
+def test_data_write_settings_come_from_the_file_and_the_flags(short_dir: Path) -> None:
+    good = write_config(
+        short_dir / "good.toml", '[storage]\nio_threads = 2\nwrite_chunk = "1MiB"\n'
+    )
+    out = run_shmstaged(
+        "--config", str(good), "--check-config", "--no-direct-io", "--write-buffers", "8MiB"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "writer_threads 16, io_threads 2, fsync always" in out.stdout
+    assert "write_chunk 1.0 MiB, write_buffers 8.0 MiB, direct_io off" in out.stdout
+    out = run_shmstaged("--check-config", "--write-chunk", "4MiB", "--write-buffers", "1MiB")
+    assert out.returncode == EX_CONFIG
+    assert "write_buffers = 1048576: must hold at least one write_chunk (4.0 MiB)" in out.stderr
+
+
 def test_check_config_validates_and_prints_the_effective_settings(short_dir: Path) -> None:
     good = write_config(
         short_dir / "good.toml",

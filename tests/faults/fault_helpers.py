@@ -196,6 +196,16 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
+def ramfs(where: Path) -> Iterator[Path]:
+    """A real ramfs: a filesystem that refuses O_DIRECT (EINVAL), as some FUSE and network
+    filesystems do (tmpfs takes it since Linux 6.6)."""
+    require_root("a ramfs")
+    where.mkdir(parents=True, exist_ok=True)
+    with _mounted(["-t", "ramfs", "ramfs"], where, "a ramfs") as mounted:
+        yield mounted
+
+
+@contextlib.contextmanager
 def loop_ext4(where: Path, image: Path, size_mib: int = 32) -> Iterator[Path]:
     """A real ext4 filesystem on a loop device (for chattr +i, which tmpfs lacks)."""
     require_root("a loop-mounted ext4")

@@ -4,10 +4,11 @@ made read-only mid-stream, /dev/shm exhausted at registration, an unwritable jou
 What is real and what is not: a disk that stops answering is a real ext4 frozen with
 ``fsfreeze``; ENOSPC comes from a 2 MiB tmpfs; the device write error
 from ext4 on a loop device whose backing store runs out (the kernel fails the writes in
-the block layer and fsync reports it — as ENOSPC, which is how the loop driver passes the
-backing file's error up); EIO itself only through the daemon's test-only ``eio-write`` shim,
-since this kernel has no device-mapper to fail a device with EIO; the read-only directory
-through chattr +i on a real ext4, and through chmod for a client that is not root;
+the block layer and the direct write reports it — as ENOSPC, which is how the loop driver
+passes the backing file's error up); EIO itself only through the daemon's test-only
+``eio-write`` shim, since this kernel has no device-mapper to fail a device with EIO; the
+read-only directory through chattr +i on a real ext4, and through chmod for a client that
+is not root;
 /dev/shm exhaustion through a private mount namespace whose /dev/shm is a small tmpfs.
 
 Each case: the client gets an error naming the cause, no partial file is left under a final
@@ -36,6 +37,7 @@ from fault_helpers import (
     make_state,
     nobody_dir,
     published_files,
+    ramfs,
     require_root,
     run_as,
     single_tensor_state,
@@ -85,6 +87,22 @@ def test_destination_full_enospc(daemons, tmp_path: Path) -> None:
     serves_on(daemon, tmp_path / "after")
 
 
+def test_a_filesystem_refusing_direct_io_is_written_through_the_page_cache(
+    daemons, tmp_path: Path
+) -> None:
+    """ramfs refuses O_DIRECT for real: the checkpoints land there all the same, through the
+    page cache, and the log says so once for the filesystem, not once per checkpoint."""
+    daemon = daemons()
+    with ramfs(tmp_path / "ram") as ram, Stager(daemon.socket) as stager:
+        for seed in (1, 2, 3):
+            stager.save(make_state(seed), ram / f"c{seed}").wait(60)
+            assert_checkpoint_equals(ram / f"c{seed}", make_state(seed))
+    said = [line for line in daemon.log().splitlines() if "refuses direct I/O" in line]
+    assert len(said) == 1, said
+    assert f"the filesystem of {ram}/c1" in said[0] and "EINVAL when asked for it" in said[0]
+    serves_on(daemon, tmp_path / "after")  # and the disk beside it is written directly
+
+
 def test_no_room_for_the_commit_marker(daemons, tmp_path: Path) -> None:
     """The data file fits to the last page and is published; the manifest does not fit:
     the published data file must be taken back, leaving nothing under a final name."""
@@ -106,9 +124,10 @@ def test_no_room_for_the_commit_marker(daemons, tmp_path: Path) -> None:
     serves_on(daemon, tmp_path / "after")
 
 
-def test_device_write_error_surfaces_at_fsync(daemons, tmp_path: Path) -> None:
+def test_device_write_error_is_reported_by_the_direct_write_itself(daemons, tmp_path: Path) -> None:
     """Real block-device write failures: ext4 on a loop device backed by a file on a 6 MiB
-    tmpfs. Writes land in the page cache; fsync reports the device's failure."""
+    tmpfs. Data is written with O_DIRECT, so the device's failure comes back from the write
+    itself (through the page cache it would only surface at fsync)."""
     daemon = daemons()
     with (
         small_tmpfs(tmp_path / "backing", "6m") as backing,
@@ -119,7 +138,7 @@ def test_device_write_error_surfaces_at_fsync(daemons, tmp_path: Path) -> None:
         with pytest.raises(PersistError) as info:
             stager.save({"w": torch.randn(4 << 20)}, disk / "big").wait(60)  # 16 MiB
         message = str(info.value)
-        assert "syncing model.safetensors" in message and "ENOSPC" in message, message
+        assert "writing model.safetensors" in message and "ENOSPC" in message, message
         assert_clean_failure(disk / "big")
         assert_checkpoint_equals(disk / "earlier", single_tensor_state(2))
     serves_on(daemon, tmp_path / "after")
@@ -138,6 +157,22 @@ def test_io_error_eio_via_the_test_only_shim(daemons, tmp_path: Path) -> None:
         assert_checkpoint_equals(tmp_path / "earlier", single_tensor_state(3))
         stager.save(make_state(4), tmp_path / "after").wait(60)  # the same client carries on
     assert_checkpoint_equals(tmp_path / "after", make_state(4))
+
+
+def test_bytes_corrupted_in_memory_before_their_write_are_never_published(
+    daemons, tmp_path: Path
+) -> None:
+    """Failing memory cannot be caused for real: the test-only ``flip-gathered:1`` shim
+    flips a bit in the first chunk the writer gathered, after its checksums were taken. The
+    I/O thread checks the chunk again right before writing it: the save fails naming the
+    tensor, nothing is published, and the daemon goes on writing correct checkpoints."""
+    daemon = daemons(env={"SHMSTAGE_FAULT": "flip-gathered:1"})
+    with Stager(daemon.socket) as stager:
+        with pytest.raises(PersistError, match="changed in the daemon's memory") as info:
+            stager.save(single_tensor_state(6), tmp_path / "victim").wait(60)
+        assert info.value.code == "internal" and "tensor 'w'" in str(info.value)
+        assert_clean_failure(tmp_path / "victim")
+    serves_on(daemon, tmp_path / "after")
 
 
 def test_failure_after_the_commit_marker_unpublishes_it(daemons, tmp_path: Path) -> None:

@@ -1,0 +1,123 @@
+"""Gathering a data file into aligned chunks: its header, then every tensor back to back.
+
+Direct I/O writes whole blocks from aligned memory at aligned offsets, but a safetensors
+file allows no gaps between tensors, so tensors start wherever the previous one ended. The
+job's thread therefore copies the file's bytes, in file order, into aligned chunks of the
+pool's size (``scheduler``), and hands each full chunk to the I/O threads. Every chunk
+starts at a multiple of its size, so only the file's last block is ever partial.
+
+Each piece is read from its segment with ``preadv`` (a kernel copy from the tmpfs page
+cache that releases the GIL and maps nothing: mapping a segment costs ~20 us, which at
+10,000 tensors was a third of the write) and checksummed right after, while it is still
+in the CPU cache: pieces of at most ``PIECE_BYTES`` (on this kind of host 1 MiB pieces
+gathered and checksummed at ~6.9 GB/s on one thread, 16 MiB ones at ~5.1). The running
+CRC-32C of each tensor is kept per piece, so an I/O thread can check every piece again
+just before writing it (``scheduler.Chunk.verify``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from typing import Final
+
+from shmstage import segment
+from shmstage.checkpoint import checksum
+from shmstage.segment import SegmentRef
+from shmstage_daemon import faults
+from shmstage_daemon.scheduler import Check, Chunk, JobWrites
+
+PIECE_BYTES: Final = 1 << 20
+
+
+class Gatherer:
+    """Packs one data file into chunks; used by its job's thread only."""
+
+    def __init__(self, writes: JobWrites) -> None:
+        self.writes = writes
+        #: File offset of the next byte gathered.
+        self.position = 0
+        self._chunk: Chunk | None = None
+
+    def add_bytes(self, data: bytes, what: str) -> None:
+        """Gather bytes the daemon holds (the header)."""
+        source = memoryview(data)
+
+        def copy(target: memoryview, at: int) -> None:
+            target[:] = source[at : at + len(target)]
+
+        self._pack(copy, len(data), what, tensor=False)
+
+    def add_segment(self, ref: SegmentRef, nbytes: int, what: str) -> int:
+        """Gather a tensor's ``nbytes`` from its segment; returns their CRC-32C."""
+        if nbytes == 0:
+            return 0
+        fd = segment.open_fd(ref, writable=False)
+        try:
+
+            def read(target: memoryview, at: int) -> None:
+                _read_exactly(fd, target, at, ref)
+
+            return self._pack(read, nbytes, what, tensor=True)
+        finally:
+            os.close(fd)
+
+    def write_through(self) -> None:
+        """Have everything gathered so far in the file now (see ``JobWrites.write_through``)."""
+        if self._chunk is not None and self._chunk.length:
+            self.writes.write_through(self._chunk)
+        else:
+            self.writes.drain()
+
+    def finish(self) -> int:
+        """Write the last chunk and wait for all of them; returns the file's size."""
+        if self._chunk is not None:
+            self._submit()
+        self.writes.drain()
+        return self.position
+
+    def _pack(
+        self, read: Callable[[memoryview, int], None], nbytes: int, what: str, *, tensor: bool
+    ) -> int:
+        crc = done = 0
+        while done < nbytes:
+            chunk = self._room()
+            start = chunk.length
+            size = min(nbytes - done, chunk.room, PIECE_BYTES)
+            target = chunk.view[start : start + size]
+            try:
+                read(target, done)
+                seed, crc = crc, checksum(target, crc)
+            finally:
+                target.release()
+            chunk.checks.append(Check(start, start + size, seed, crc, what))
+            chunk.length += size
+            if tensor:
+                chunk.data_bytes += size
+            done += size
+            self.position += size
+        return crc
+
+    def _room(self) -> Chunk:
+        """The chunk to gather into: the current one, or a new one once it is full."""
+        if self._chunk is not None and self._chunk.room == 0:
+            self._submit()
+        if self._chunk is None:
+            self._chunk = self.writes.chunk(self.position)
+        return self._chunk
+
+    def _submit(self) -> None:
+        chunk, self._chunk = self._chunk, None
+        assert chunk is not None
+        faults.maybe_flip("gathered", chunk.view, chunk.length)
+        self.writes.submit(chunk)
+
+
+def _read_exactly(fd: int, target: memoryview, offset: int, ref: SegmentRef) -> None:
+    done = 0
+    while done < len(target):
+        got = os.preadv(fd, [target[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"segment {ref.name} ended after {offset + done} bytes")
+        done += got

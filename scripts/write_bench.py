@@ -1,0 +1,312 @@
+"""How fast the daemon's writer makes a staged checkpoint durable, against the disk's limits.
+
+Runs on any Linux host, no GPU: stages a synthetic layout in real shared-memory segments,
+then times, on the same directory and bytes (medians of ``--runs``):
+
+- ``disk limit (direct I/O)``: the bytes written with aligned ``O_DIRECT`` writes on
+  ``--limit-threads`` threads, then fsync: what the disk can do;
+- ``raw buffered write``: the same bytes with plain ``pwrite`` + fsync on one thread;
+- ``shmstaged writer``: ``job.run`` — gather, checksum, write, fsync, link, manifest — with the
+  write scheduler configured from the flags (``--jobs N`` runs N such jobs at once, of
+  ``--owners`` users in turn, and reports their aggregate and each job's time).
+
+While each runs, /proc/meminfo is sampled every 10 ms: the peak of Dirty + Writeback, and
+how much Cached grew (shared memory counts as Cached, so the figure is the growth over what
+was staged before the write). Speed is never asserted anywhere; this prints figures.
+
+    .venv/bin/python scripts/write_bench.py --dir /mnt/ckpt/bench --size 8GiB --tensors 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shmstage_daemon import job, scheduler
+from shmstage_daemon.admission import Peer
+
+from shmstage import datafile, instance, names, segment
+from shmstage.layout import Layout, TensorSpec
+from shmstage.manifest import MANIFEST_NAME
+from shmstage.units import format_size, parse_size
+
+
+class MemInfo:
+    """Samples Dirty + Writeback and Cached from /proc/meminfo while a run goes on."""
+
+    def __init__(self) -> None:
+        self.peak_dirty = 0
+        self.cached_before = self.cached_peak = self._read()["Cached"]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _read() -> dict[str, int]:
+        values = {}
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                key, rest = line.split(":", 1)
+                values[key] = int(rest.split()[0]) * 1024
+        return values
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            values = self._read()
+            self.peak_dirty = max(self.peak_dirty, values["Dirty"] + values["Writeback"])
+            self.cached_peak = max(self.cached_peak, values["Cached"])
+
+    def __enter__(self) -> MemInfo:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.cached_after = self._read()["Cached"]
+
+
+def stage(instance: str, sizes: list[int]) -> list[segment.SegmentRef]:
+    """Segments filled with bytes that differ per tensor (a 1 MiB random block, rotated)."""
+    block = os.urandom(1 << 20)
+    refs = []
+    for index, size in enumerate(sizes):
+        ref = segment.create(instance, size)
+        fd = segment.open_fd(ref, writable=True)
+        try:
+            shift = index % len(block)
+            pattern = block[shift:] + block[:shift]
+            for offset in range(0, size, len(pattern)):
+                os.pwrite(fd, pattern[: size - offset], offset)
+        finally:
+            os.close(fd)
+        refs.append(ref)
+    return refs
+
+
+def persist_job(
+    directory: Path, layout: Layout, refs: list[segment.SegmentRef], header: bytes, uid: int
+) -> job.PersistJob:
+    directory.mkdir(parents=True)
+    if uid != os.getuid():  # another user's job: its directory is that user's (needs root)
+        os.chown(directory, uid, -1)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    data_tmp, manifest_tmp = names.temp_name("model.safetensors"), names.temp_name(MANIFEST_NAME)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    dest = job.Destination(
+        dir_fd,
+        os.open(data_tmp, flags, 0o644, dir_fd=dir_fd),
+        os.open(manifest_tmp, flags, 0o644, dir_fd=dir_fd),
+        "model.safetensors",
+        data_tmp,
+        manifest_tmp,
+        path=str(directory),
+    )
+    return job.PersistJob(
+        id=1,
+        layout=layout,
+        segments=refs,
+        header=header,
+        destination=dest,
+        tree={"d": [[spec.key, {"T": spec.key}] for spec in layout.tensors]},
+        metadata={},
+        save_info={},
+        peer=Peer(pid=os.getpid(), uid=uid, gid=os.getgid(), groups=frozenset()),
+    )
+
+
+def raw_write(path: Path, total: int, *, direct: bool, threads: int, chunk: int) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    for buffer in buffers:
+        buffer.write(os.urandom(chunk))
+    offsets = list(range(0, total, chunk))
+
+    def work(index: int) -> None:
+        view = memoryview(buffers[index])
+        for offset in offsets[index::threads]:
+            length = min(chunk, total - offset)
+            os.pwrite(fd, view[: -(-length // 4096) * 4096 if direct else length], offset)
+        view.release()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+        os.ftruncate(fd, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        for buffer in buffers:
+            buffer.close()
+
+
+def timed(runs: int, prepare: Callable[[int], Any], run: Callable[[Any], Any]) -> dict[str, Any]:
+    seconds, cpu, dirty, cached_peak, cached_after, extra = [], [], [], [], [], None
+    for attempt in range(runs):
+        state = prepare(attempt)
+        os.sync()
+        with MemInfo() as memory:
+            started, used = time.perf_counter(), time.process_time()
+            extra = run(state)
+            seconds.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - used)
+        dirty.append(memory.peak_dirty)
+        cached_peak.append(memory.cached_peak - memory.cached_before)
+        cached_after.append(memory.cached_after - memory.cached_before)
+    return {
+        "seconds": statistics.median(seconds),
+        "all_seconds": seconds,
+        "cpu_seconds": statistics.median(cpu),
+        "peak_dirty_writeback": max(dirty),
+        "cached_growth_peak": max(cached_peak),
+        "cached_growth_after": max(cached_after),
+        "extra": extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True, help="where to write (emptied)")
+    parser.add_argument("--size", default="2GiB", help="bytes per checkpoint")
+    parser.add_argument("--tensors", type=int, default=500)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=1, help="checkpoints written at once")
+    parser.add_argument(
+        "--owners", type=int, default=1, help="users those jobs belong to (more than 1: root)"
+    )
+    parser.add_argument("--io-threads", type=int, default=scheduler.DEFAULT_IO_THREADS)
+    parser.add_argument("--write-chunk", default="4MiB")
+    parser.add_argument("--write-buffers", default="64MiB")
+    parser.add_argument("--buffered", action="store_true", help="the writer without O_DIRECT")
+    parser.add_argument("--limit-threads", type=int, default=4)
+    parser.add_argument("--skip-limits", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+
+    if args.owners > 1 and os.geteuid() != 0:
+        parser.error("--owners above 1 writes as other uids: run as root")
+    total = parse_size(args.size)
+    count = max(1, args.tensors)
+    sizes = [total // count] * count
+    sizes[-1] += total - sum(sizes)
+    specs = [TensorSpec(f"layers.{i}.weight", "U8", (n,)) for i, n in enumerate(sizes)]
+    layout = Layout.of(specs)
+    header = datafile.build_header(layout, {"format": "pt"})
+    chunk = parse_size(args.write_chunk)
+    disk = scheduler.WriteScheduler(
+        io_threads=args.io_threads,
+        chunk_bytes=chunk,
+        memory_bytes=parse_size(args.write_buffers),
+        direct=not args.buffered,
+    )
+    scheduler.install(disk)
+    # A held instance lock, so that no daemon on this node reaps the segments as a dead
+    # instance's leftovers while the benchmark runs.
+    lock = instance.InstanceLock.claim()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {}
+    print(
+        f"{format_size(total)} in {count} tensors x {args.jobs} job(s) of {args.owners} "
+        f"user(s) -> {args.dir}; io_threads {args.io_threads}, write_chunk "
+        f"{format_size(chunk)}, write_buffers {args.write_buffers}, "
+        f"{'buffered' if args.buffered else 'direct'}",
+        flush=True,
+    )
+    refs = [stage(lock.instance, sizes) for _ in range(args.jobs)]
+    try:
+        scratch = args.dir / "raw"
+
+        def fresh(_attempt: int) -> Path:
+            scratch.unlink(missing_ok=True)
+            return scratch
+
+        if not args.skip_limits:
+            rows["disk limit (direct I/O)"] = timed(
+                args.runs,
+                fresh,
+                lambda path: raw_write(
+                    path,
+                    total * args.jobs,
+                    direct=True,
+                    threads=args.limit_threads,
+                    chunk=chunk,
+                ),
+            )
+            rows["raw buffered write"] = timed(
+                args.runs,
+                fresh,
+                lambda path: raw_write(
+                    path, total * args.jobs, direct=False, threads=1, chunk=chunk
+                ),
+            )
+            scratch.unlink(missing_ok=True)
+
+        def jobs(attempt: int) -> list[job.PersistJob]:
+            shutil.rmtree(args.dir / "ckpt", ignore_errors=True)
+            return [
+                persist_job(
+                    args.dir / "ckpt" / f"{attempt}-{index}",
+                    layout,
+                    refs[index],
+                    header,
+                    uid=os.getuid() + 60000 * (index % args.owners),
+                )
+                for index in range(args.jobs)
+            ]
+
+        def write(persists: list[job.PersistJob]) -> list[float]:
+            with concurrent.futures.ThreadPoolExecutor(len(persists)) as pool:
+                results = list(pool.map(job.run, persists))
+            for result in results:
+                if not result.ok:
+                    raise SystemExit(f"the writer failed: {result.message}")
+            return [result.seconds for result in results]
+
+        rows["shmstaged writer"] = timed(args.runs, jobs, write)
+        shutil.rmtree(args.dir / "ckpt", ignore_errors=True)
+    finally:
+        for group in refs:
+            for ref in group:
+                segment.unlink(ref.name)
+        lock.release()
+        disk.close()
+
+    nbytes = total * args.jobs
+    limit = rows.get("disk limit (direct I/O)", {}).get("seconds")
+    buffered = rows.get("raw buffered write", {}).get("seconds")
+    print(
+        f"{'method':<26}{'median s':>10}{'GB/s':>8}{'/direct':>9}{'/buffered':>10}"
+        f"{'cpu s/GiB':>10}{'dirty+wb peak':>15}{'cached +peak':>14}{'cached +after':>15}"
+    )
+    for name, row in rows.items():
+        ratio = f"{row['seconds'] / limit:.2f}" if limit else "-"
+        vs_buffered = f"{row['seconds'] / buffered:.2f}" if buffered else "-"
+        print(
+            f"{name:<26}{row['seconds']:>10.3f}{nbytes / row['seconds'] / 1e9:>8.2f}"
+            f"{ratio:>9}{vs_buffered:>10}{row['cpu_seconds'] / (nbytes / 2**30):>10.3f}"
+            f"{format_size(row['peak_dirty_writeback']):>15}"
+            f"{format_size(max(0, row['cached_growth_peak'])):>14}"
+            f"{format_size(max(0, row['cached_growth_after'])):>15}"
+        )
+    per_job = rows["shmstaged writer"]["extra"]
+    if args.jobs > 1 and per_job:
+        print("per job (last run), s: " + ", ".join(f"{s:.2f}" for s in per_job))
+    if args.json:
+        args.json.write_text(json.dumps({"bytes": nbytes, "args": vars(args), "rows": rows},
+                                        default=str, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
