@@ -34,7 +34,7 @@ from shmstage_daemon.config import measure_shm
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
 from shmstage_daemon.store import Limits, SlotWire, StagedLayout, Store, StoreError
-from shmstage_daemon.telemetry import FinishedJob, Telemetry
+from shmstage_daemon.telemetry import FinishedJob, Telemetry, describe_stall
 from shmstage_daemon.transport import Transport
 
 log = logging.getLogger("shmstaged")
@@ -547,11 +547,12 @@ class Daemon:
             self.stats["saves"] += 1
             self.stats["bytes"] += result.bytes
             log.info(
-                "job %d: %s written, %d bytes in %.3f s",
+                "job %d: %s written, %d bytes in %.3f s%s",
                 result.job,
                 record.persist.destination.data_file,
                 result.bytes,
                 result.seconds,
+                describe_stall(record.persist.client_timings),
             )
         else:
             self.stats["failed"] += 1

@@ -584,7 +584,17 @@ def _import_stager() -> Any:
 
 def _result_detail(result: Any) -> dict[str, Any]:
     """The daemon's own breakdown of a save, kept in the JSON next to the bench's times."""
-    keys = ("bytes", "stage_seconds", "slot_wait_seconds", "persist_seconds", "path")
+    keys = (
+        "bytes",
+        "stall_seconds",
+        "prepare_seconds",
+        "setup_seconds",
+        "slot_wait_seconds",
+        "copy_seconds",
+        "commit_seconds",
+        "persist_seconds",
+        "path",
+    )
     return {k: getattr(result, k) for k in keys if getattr(result, k, None) is not None}
 
 
