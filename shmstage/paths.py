@@ -72,8 +72,8 @@ def connect_problem(path: Path, exc: OSError) -> str:
     if isinstance(exc, FileNotFoundError):
         dangling = os.path.islink(path)
         return (
-            f"{what}: {'a symlink to nothing' if dangling else 'no such file'} — is the "
-            "service running? (systemctl status shmstaged; or set SHMSTAGE_SOCKET / pass "
+            f"{what}: {'a symlink to nothing' if dangling else 'no such file'} — is "
+            "shmstaged running? (systemctl status shmstaged; or set SHMSTAGE_SOCKET / pass "
             "the daemon's --socket)"
         )
     if isinstance(exc, PermissionError):

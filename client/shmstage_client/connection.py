@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import queue
+import resource
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -64,8 +65,6 @@ MIN_FDS_PER_MESSAGE = 8
 
 def _descriptors() -> tuple[int, int]:
     """(RLIMIT_NOFILE soft limit, descriptors open now) of this process."""
-    import resource
-
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         in_use = len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor

@@ -74,13 +74,15 @@ class Destination:
         """A new directory, published by renaming the pending one."""
         return bool(self.final_dir)
 
-    def shown(self) -> str:
-        """Where the checkpoint goes, for messages: its final path where known."""
+    def shown(self, located: str | None = None) -> str:
+        """Where the checkpoint goes, for messages: its final path where known.
+        ``located``: where ``dir_fd`` is, if not ``path``."""
+        where = self.path if located is None else located
         if self.pending:
-            if os.path.isabs(self.path):
-                return os.path.join(os.path.dirname(self.path), self.final_dir)
+            if os.path.isabs(where):
+                return os.path.join(os.path.dirname(where), self.final_dir)
             return f"the checkpoint directory {self.final_dir}"
-        return self.path
+        return where
 
     def close(self) -> None:
         for fd in (self.data_fd, self.manifest_fd, self.dir_fd, self.parent_fd):

@@ -523,7 +523,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         directory = "?"
         with contextlib.suppress(OSError):  # for status displays only; never used to write
-            directory = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
+            located = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
+            directory = persist.destination.shown(located)
         future = asyncio.wrap_future(self._writers.submit(job.run, persist), loop=loop)
         record = JobRecord(persist, session, staged, slot, time.perf_counter(), future, directory)
         self.jobs[persist.id] = record

@@ -29,6 +29,7 @@ from fault_helpers import (
     journal_entries,
     kill,
     make_state,
+    pending_dirs,
     read_marker,
     single_tensor_state,
     start_trainer,
@@ -40,6 +41,7 @@ from shmstage import checkpoint, segment
 from shmstage.manifest import MANIFEST_NAME
 
 PAUSE = "60"  # longer than any test waits: the SIGKILL, not the pause, ends the window
+DATA = "model.safetensors"
 
 
 # -- the trainer dies ------------------------------------------------------------------
@@ -127,8 +129,8 @@ def test_daemon_killed_during_registration(daemons, tmp_path: Path) -> None:
     assert not thread.is_alive(), "save() hung on a dead daemon"
     assert isinstance(outcome[0], SaveError), outcome
     assert time.monotonic() - killed_at < 10
-    assert_not_published(tmp_path / "victim")
-    assert not any((tmp_path / "victim").iterdir())  # the client removed its temporary files
+    # The client removed what it made: the pending directory and its temporary files.
+    assert not (tmp_path / "victim").exists() and pending_dirs(tmp_path) == []
     stager.close(timeout=1)
     assert len(daemon.segments()) >= 1  # SIGKILL left them
     restarted = daemons()
@@ -180,9 +182,11 @@ def test_an_acknowledged_checkpoint_survives_a_daemon_sigkill(
     daemon.wait_log(f"fault: pausing at {point}")
     assert len(journal_entries(daemon.socket)) == 1
     victim = tmp_path / "victim"
+    # A new directory is written as a hidden pending one, published only once complete.
+    assert not victim.exists()
     if point == "before-manifest":  # the data file is complete under its final name...
-        assert (victim / "model.safetensors").exists()
-    assert not (victim / MANIFEST_NAME).exists()  # ...but nothing is committed
+        (written,) = [d for d in pending_dirs(tmp_path) if (tmp_path / d / DATA).exists()]
+        assert not (tmp_path / written / MANIFEST_NAME).exists()  # ...but nothing is committed
     killed_at = time.monotonic()
     daemon.kill()
     with pytest.raises(SaveError):

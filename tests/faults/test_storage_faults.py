@@ -38,6 +38,7 @@ from fault_helpers import (
     run_as,
     single_tensor_state,
     small_tmpfs,
+    writing_dir,
 )
 from harness import wait_for
 from shmstage_client import PersistError, SaveError, Stager, StagingLimitExceeded
@@ -157,7 +158,7 @@ def test_destination_removed_mid_stream(daemons, tmp_path: Path) -> None:
         stager.save(single_tensor_state(6), tmp_path / "earlier").wait(60)
         handle = stager.save(make_state(6), tmp_path / "victim")
         daemon.wait_log("fault: pausing at mid-stream")
-        shutil.rmtree(tmp_path / "victim")
+        shutil.rmtree(writing_dir(tmp_path))  # the new directory, still pending
         with pytest.raises(PersistError, match="was removed while") as info:
             handle.wait(60)
         assert str(tmp_path / "victim") in str(info.value)
@@ -177,13 +178,14 @@ def test_destination_made_immutable_mid_stream(daemons, tmp_path: Path) -> None:
         stager.save(single_tensor_state(8), disk / "earlier").wait(60)
         handle = stager.save(make_state(8), disk / "victim")
         daemon.wait_log("fault: pausing at mid-stream")
-        subprocess.run(["chattr", "+i", str(disk / "victim")], check=True, timeout=30)
+        victim = writing_dir(disk)  # the new directory, still pending
+        subprocess.run(["chattr", "+i", str(victim)], check=True, timeout=30)
         try:
             with pytest.raises(PersistError, match=r"Operation not permitted \(EPERM\)"):
                 handle.wait(60)
-            assert published_files(disk / "victim") == []
+            assert published_files(victim) == [] and not (disk / "victim").exists()
         finally:
-            subprocess.run(["chattr", "-i", str(disk / "victim")], check=True, timeout=30)
+            subprocess.run(["chattr", "-i", str(victim)], check=True, timeout=30)
         assert_checkpoint_equals(disk / "earlier", single_tensor_state(8))
         stager.save(make_state(9), disk / "after").wait(60)
     serves_on(daemon, tmp_path / "after")
@@ -214,10 +216,12 @@ def test_destination_made_read_only_for_its_user_mid_stream(daemons, world: Path
     thread = threading.Thread(target=trainer)
     thread.start()
     daemon.wait_log("fault: pausing at mid-stream", timeout=60)
-    (ckpt / "victim").chmod(0o555)
+    victim = writing_dir(ckpt)  # the new directory, still pending
+    victim.chmod(0o555)
     thread.join(90)
     assert "REFUSED" in result[0] and "can no longer write" in result[0], result
-    assert published_files(ckpt / "victim") == []
+    assert not victim.exists() or published_files(victim) == []
+    assert not (ckpt / "victim").exists()
     assert checkpoint.verify(ckpt / "earlier") == []
 
 
