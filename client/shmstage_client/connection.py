@@ -77,15 +77,18 @@ def _descriptors() -> tuple[int, int]:
 
 def receivable_fds() -> int:
     """How many descriptors one message from the daemon may carry without running this
-    process out of them (the reader holds one message's worth at a time, see
-    ``DaemonConnection._untaken_fds``); raises SaveError naming the limit to raise."""
+    process out of them; raises SaveError naming the limit to raise.
+
+    Two messages' worth may be open at once: the reader receives the next batch while the
+    caller maps and closes the one before (``DaemonConnection._untaken_fds``).
+    """
     soft, in_use = _descriptors()
-    free = soft - in_use - FD_HEADROOM
+    free = (soft - in_use - FD_HEADROOM) // 2
     if free < MIN_FDS_PER_MESSAGE:
         raise SaveError(
             f"this process has {in_use} file descriptors open and RLIMIT_NOFILE is {soft}, "
             f"too few left to receive shared-memory segments from shmstaged: raise the limit "
-            f"to at least {in_use + FD_HEADROOM + MAX_FDS_PER_FRAME} (ulimit -n, or "
+            f"to at least {in_use + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME} (ulimit -n, or "
             "LimitNOFILE= in a systemd unit), or close descriptors this process leaks"
         )
     return min(MAX_FDS_PER_FRAME, free)
@@ -98,7 +101,7 @@ def _truncated_fds_message(received: int) -> str:
         f"this process ran out of file descriptors while receiving shared-memory segments "
         f"from shmstaged (got {received}; {in_use} open, RLIMIT_NOFILE {soft}): something "
         f"opened descriptors while they arrived — raise the limit (ulimit -n) to at least "
-        f"{in_use + FD_HEADROOM + MAX_FDS_PER_FRAME} or find what leaks descriptors"
+        f"{in_use + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME} or find what leaks descriptors"
     )
 
 
