@@ -149,6 +149,31 @@ def test_missing_daemon_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
         Stager(tmp_path / "nope.sock")
 
 
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda p: p.write_text(""), "it is a regular file, not a socket"),
+        (lambda p: p.mkdir(), "it is a directory, not a socket"),
+        (lambda p: os.symlink(p.parent / "gone.sock", p), "a symlink to nothing"),
+    ],
+)
+def test_a_socket_path_that_is_no_socket_says_what_it_is(tmp_path: Path, make, says) -> None:
+    """The kernel refuses a connection to a file or a directory as it does to a socket
+    whose daemon is gone; the client and the CLI say which it is, in the same words."""
+    path = tmp_path / "shmstaged.sock"
+    make(path)
+    with pytest.raises(DaemonUnavailable) as info:
+        Stager(path)
+    assert says in str(info.value) and "daemon that created" not in str(info.value)
+    cli = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", "status", "--socket", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 3 and says in cli.stderr, cli.stderr
+
+
 def test_a_client_whose_daemon_dies_gets_an_exception(daemon, ckpt: Path) -> None:
     stager = Stager(daemon.socket)
     stager.save({"w": torch.ones(4)}, ckpt / "a").wait(60)

@@ -58,7 +58,10 @@ def test_a_trainer_killed_during_the_copy_leaves_nothing(daemons, tmp_path: Path
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
     # Its commit, sent ahead of the copy, was only journaled pending; that entry goes too.
     wait_for(lambda: journal_entries(daemon.socket) == [], 10, "the pending entry to go")
-    assert_not_published(tmp_path / "victim")
+    # And the daemon, which had its descriptors, removed the pending directory and the
+    # temporary files the trainer made for it (the trainer could not).
+    wait_for(lambda: pending_dirs(tmp_path) == [], 10, "the dead save's pending directory")
+    assert not (tmp_path / "victim").exists()
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(1))
     with Stager(daemon.socket) as stager:  # the daemon serves on
         stager.save(make_state(5), tmp_path / "after").wait(60)
@@ -138,6 +141,26 @@ def test_daemon_killed_during_registration(daemons, tmp_path: Path) -> None:
     with Stager(restarted.socket) as fresh:
         fresh.save(make_state(6), tmp_path / "again").wait(60)
     assert_checkpoint_equals(tmp_path / "again", make_state(6))
+
+
+def test_a_save_whose_daemon_dies_during_the_copy_leaves_nothing(daemons, tmp_path: Path) -> None:
+    """The daemon is SIGKILLed while the trainer copies (its commit already sent): save()
+    raises, and the trainer removes the pending directory and files it made."""
+    daemon = daemons()
+    stager = Stager(daemon.socket)
+    stager.save(single_tensor_state(11), tmp_path / "base").wait(60)
+    copy = stager._copier.copy
+
+    def killed_meanwhile(*args: object, **kwargs: object) -> None:
+        daemon.kill()
+        copy(*args, **kwargs)
+
+    stager._copier.copy = killed_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(SaveError):
+        stager.save(make_state(11), tmp_path / "victim")
+    stager.close(timeout=1)
+    assert not (tmp_path / "victim").exists() and pending_dirs(tmp_path) == []
+    assert_checkpoint_equals(tmp_path / "base", single_tensor_state(11))
 
 
 def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path) -> None:

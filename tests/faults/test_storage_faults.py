@@ -48,9 +48,13 @@ from shmstage.datafile import build_header
 from shmstage.layout import Layout, TensorSpec
 
 
-def assert_clean_failure(path: Path) -> None:
-    """Nothing at all left by a failed save: no final names, no temporaries."""
-    assert not path.exists() or os.listdir(path) == [], os.listdir(path)
+def assert_clean_failure(path: Path, *, existing: bool = False) -> None:
+    """Nothing at all left by a failed save: no final names, no temporaries, and no
+    directory unless it was there before (``existing``)."""
+    if existing:
+        assert os.listdir(path) == [], os.listdir(path)
+    else:
+        assert not path.exists(), os.listdir(path)
 
 
 def fill(path: Path) -> None:
@@ -101,7 +105,7 @@ def test_no_room_for_the_commit_marker(daemons, tmp_path: Path) -> None:
         with pytest.raises(PersistError, match="ENOSPC") as info:
             stager.save({"w": torch.ones(numel, dtype=torch.uint8)}, small / "victim").wait(60)
         assert "shmstage-manifest.json" in str(info.value)
-        assert_clean_failure(small / "victim")
+        assert_clean_failure(small / "victim", existing=True)
     serves_on(daemon, tmp_path / "after")
 
 
