@@ -72,8 +72,12 @@ def test_a_slow_filesystem_stalls_only_the_first_save(
         for step in range(1, 4):
             assert stager._spares.ready(30)  # training steps pass between saves
             handles.append(stager.save(state(step), ckpt / f"step-{step}"))
-            assert handles[-1].stall_seconds < delay / 2, handles[-1].timings
+            # No round trip on this thread: the destination costs next to nothing. (The
+            # whole stall is bounded loosely: the commit waits for the daemon's journal,
+            # which in this test lives on a disk the suite keeps busy.)
             assert slow_filesystem.on(main) == ["mkdir", "create", "create"]  # none since
+            assert handles[-1].timings.setup_seconds < delay / 4, handles[-1].timings
+            assert handles[-1].stall_seconds < 3 * delay, handles[-1].timings
         # Elsewhere (a new parent): no spare there, so this save pays once more.
         elsewhere = stager.save(state(9), ckpt / "other" / "step-9")
         assert elsewhere.stall_seconds >= 3 * delay
