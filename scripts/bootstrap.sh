@@ -13,7 +13,11 @@ want_test=0
   echo "shmstage needs Python 3.11 or newer; set PYTHON=python3.11 (found $("$PYTHON" -V))" >&2
   exit 1
 }
-[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+say() { echo "bootstrap: $*" >&2; }
+if [[ ! -x $VENV/bin/python ]]; then
+  say "creating the virtualenv $VENV with $("$PYTHON" -V)"
+  "$PYTHON" -m venv "$VENV"
+fi
 
 stamp="$VENV/.shmstage-$(cat pyproject.toml daemon/pyproject.toml client/pyproject.toml \
   constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)-$want_test"
@@ -21,8 +25,10 @@ if [[ ! -e $stamp ]]; then
   pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   # This machine's pip configuration names index folders that may be absent: hide that noise.
   quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+  say "installing shmstage, shmstaged and the client (editable), torch $(grep -o '^torch==.*' constraints.txt | cut -d= -f3) (CPU), matplotlib — about a minute the first time"
   quiet "${pip[@]}" -e . -e daemon -e "client[bench]"
   if (( want_test )); then
+    say "installing the test tools: pytest, safetensors, hypothesis, ruff, atheris"
     quiet "${pip[@]}" pytest pytest-timeout safetensors hypothesis ruff
     # atheris (the coverage-guided protocol fuzzer) only from a binary wheel: building it
     # needs clang/libFuzzer; without it that one fuzz test skips, hypothesis still runs.
@@ -31,6 +37,7 @@ if [[ ! -e $stamp ]]; then
   fi
   rm -f "$VENV"/.shmstage-*
   touch "$stamp"
+  say "done: $VENV/bin has shmstaged, shmstage and shmstage-bench"
 fi
 
 if (( want_test )) && ! command -v systemd-analyze >/dev/null 2>&1; then

@@ -58,6 +58,9 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str], manifest_name: str = MANIFEST_NAME) -> None:
         self.path = Path(path)
         manifest_path = self.path / manifest_name
+        if not self.path.is_dir():
+            what = "is not a directory" if self.path.exists() else "does not exist"
+            raise CheckpointError(f"{self.path} {what}: a checkpoint is a directory")
         try:
             size = manifest_path.stat().st_size
             if size > MAX_MANIFEST_BYTES:

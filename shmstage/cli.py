@@ -11,13 +11,14 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from shmstage import checkpoint, instance, listing
+from shmstage import checkpoint, instance, listing, orphans
 from shmstage.control import ControlClient, ControlError
 from shmstage.metrics import render
 from shmstage.units import format_size
@@ -95,11 +96,28 @@ def _when(unix: float | None) -> str:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    """Reap what dead daemons left; root may reap any user's, others only their own."""
+    """Reap what dead daemons left; root may reap any user's, others only their own.
+
+    With ``--checkpoints DIR``, also remove orphaned temporary files of saves that will
+    never finish (``shmstage.orphans``) — never while a dead daemon's journal still owes a
+    checkpoint, whose temporary files look orphaned until the next daemon reopens them.
+    """
     euid = os.geteuid()
-    report = instance.reap(only_uid=None if euid == 0 else euid, dry_run=args.dry_run)
+    only_uid = None if euid == 0 else euid
+    report = instance.reap(only_uid=only_uid, dry_run=args.dry_run)
+    swept = None
+    if args.checkpoints and not report.held:
+        swept = orphans.sweep(
+            [Path(p) for p in args.checkpoints],
+            only_uid=only_uid,
+            dry_run=args.dry_run,
+            min_age=args.min_age,
+        )
     if args.json:
-        json.dump({**report.to_json(), "dry_run": args.dry_run}, sys.stdout, indent=1)
+        out = {**report.to_json(), "dry_run": args.dry_run}
+        if args.checkpoints:
+            out["temporary_files"] = None if swept is None else swept.to_json()
+        json.dump(out, sys.stdout, indent=1)
         print()
         return 0
     verb = "would remove" if args.dry_run else "removed"
@@ -107,6 +125,16 @@ def _gc(args: argparse.Namespace) -> int:
         f"{verb} {len(report.segments)} segment(s), {format_size(report.bytes)}, and "
         f"{len(report.locks)} lock(s) of {len(report.instances)} dead shmstaged instance(s)"
     )
+    for held in sorted(report.held):
+        jobs = report.owed.get(held, [])
+        print(
+            f"kept: shared memory of dead instance {held} — its journal "
+            f"{report.journals.get(held, '?')} still owes {len(jobs)} acknowledged "
+            f"checkpoint(s) ({', '.join(jobs[:3])}{', ...' if len(jobs) > 3 else ''}); the next "
+            "shmstaged on that socket finishes them, then frees it"
+        )
+    if report.held:
+        print(f"kept in all: {report.held_segments} segment(s), {format_size(report.held_bytes)}")
     if report.live:
         print(f"left alone: live instance(s) {', '.join(sorted(report.live))}")
     if report.skipped_other_uid:
@@ -114,7 +142,25 @@ def _gc(args: argparse.Namespace) -> int:
             f"left alone: {report.skipped_other_uid} dead segment(s) of other users "
             "(run as root to remove them)"
         )
+    if args.checkpoints:
+        _print_swept(swept, verb)
     return 0
+
+
+def _print_swept(swept: orphans.Swept | None, verb: str) -> None:
+    if swept is None:
+        print(
+            "temporary files: none removed while a dead daemon's journal owes checkpoints "
+            "(start shmstaged on its socket, then run gc again)"
+        )
+        return
+    print(
+        f"temporary files: {verb} {len(swept.removed)} orphaned ({format_size(swept.bytes)}); "
+        f"left {swept.live} in use, {swept.young} younger than --min-age"
+        + (f", {swept.other_uid} of other users" if swept.other_uid else "")
+    )
+    for path in swept.removed:
+        print(f"  {path}")
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -142,6 +188,7 @@ def _status(args: argparse.Namespace) -> int:
             print(f"shmstage status: {exc}", file=sys.stderr)
             return EXIT_DAEMON_UNREACHABLE
         if args.json:
+            status = {**status, "clients": _other_clients(status)}
             json.dump(status, sys.stdout, indent=1, default=str)
             print()
         else:
@@ -257,8 +304,7 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
             f"{totals.get('failed', 0)} failed"
         )
     out.append("")
-    # This command's own connection is a client too; it is not what the operator asks about.
-    clients = [c for c in s.get("clients", []) if c["pid"] != os.getpid()]
+    clients = _other_clients(s)
     out.append(f"CLIENTS ({len(clients)})")
     if clients:
         out.extend(
@@ -304,6 +350,11 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
             line = f"  {when}{job} {e['client']}: [{e['code']}] {e['message']}"
             out.append(line if len(line) <= width else line[: width - 1] + "…")
     return "\n".join(out) + "\n"
+
+
+def _other_clients(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """This command's own connection is a client too; not what the operator asks about."""
+    return [c for c in status.get("clients", []) if c.get("pid") != os.getpid()]
 
 
 def _table_lines(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -370,11 +421,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     gc.add_argument("--json", action="store_true", help="machine-readable output")
+    gc.add_argument(
+        "--checkpoints",
+        nargs="+",
+        metavar="DIR",
+        default=[],
+        help="also remove orphaned temporary files of dead saves below these directories "
+        "(never one a live trainer or daemon holds)",
+    )
+    gc.add_argument(
+        "--min-age",
+        type=float,
+        default=orphans.MIN_AGE_S,
+        metavar="SECONDS",
+        help=f"leave temporary files younger than this (default {orphans.MIN_AGE_S:g})",
+    )
     gc.set_defaults(run=_gc)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # `shmstage status --json | head`: end quietly on a closed pipe, as Unix tools do,
+    # rather than with a BrokenPipeError traceback.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     return int(args.run(args))
 

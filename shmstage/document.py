@@ -18,6 +18,8 @@ def parse(
         document = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{where} is not valid JSON: {exc}") from exc
+    except RecursionError:  # nesting deeper than any document we write
+        raise error(f"{where} is nested too deeply to be a {kind}") from None
     if not isinstance(document, dict) or document.get("format") != fmt:
         raise error(f"{where} is not a {kind}")
     if document.get("version") != version:

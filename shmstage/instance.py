@@ -7,10 +7,11 @@ nobody holds are garbage — never a live daemon's.
 
 With one exception: a daemon killed after acknowledging a commit still owes that checkpoint,
 and the segments holding its bytes are all that is left of it. The daemon journals such jobs
-(``shmstage_daemon.journal``) in a directory next to its socket, one ``<instance>.<job>.job``
-file each, and names that directory in its lock file. A reaper holds back every segment of a
-dead instance whose journal still lists a job of that instance; the daemon that serves the
-same socket next finishes those jobs and then reaps them itself.
+(``shmstage_daemon.journal``) in a directory of its own, one ``<instance>.<job>.job`` file
+each, and names that directory and its socket in its lock file. A reaper holds back every
+segment of a dead instance whose journal still lists a job of that instance; the daemon that
+serves the same socket next finds that journal through the lock (``predecessors``),
+finishes those jobs and then reaps them itself.
 
 This lives in the core, not the daemon, because two programs apply the same rule: the
 daemon reaps at start, and the operator's ``shmstage gc`` reaps on demand without the
@@ -23,6 +24,7 @@ import contextlib
 import fcntl
 import os
 import re
+import stat
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Final
@@ -34,10 +36,16 @@ LOCK_DIR: Final = segment.SHM_DIR
 #: Journal entries are ``<instance>.<job>`` plus this suffix; reapers only list names.
 JOURNAL_SUFFIX: Final = ".job"
 _JOURNAL_KEY: Final = "journal="
+_SOCKET_KEY: Final = "socket="
 
 
 def lock_path(instance: str) -> str:
     return os.path.join(LOCK_DIR, f"shmstage.{instance}.lock")
+
+
+def journal_dir(root: str, instance: str) -> str:
+    """An instance's journal directory under ``root``: private, and named unguessably."""
+    return os.path.join(root, f"shmstage.{instance}.journal")
 
 
 @dataclass
@@ -46,18 +54,24 @@ class InstanceLock:
     fd: int
 
     @classmethod
-    def claim(cls, journal: str | None = None) -> InstanceLock:
+    def claim(cls, journal_root: str | None = None, socket: str | None = None) -> InstanceLock:
         """Create the lock already held, so no reaper ever sees it unlocked.
 
-        ``journal``: the directory where this instance journals acknowledged jobs; recorded
-        in the lock so that reapers leave the segments of jobs it still owes alone.
+        ``journal_root``: where this instance journals acknowledged jobs (its directory is
+        ``journal_dir(journal_root, instance)``); recorded in the lock with the ``socket``
+        it serves, so that reapers leave the segments of jobs it still owes alone and the
+        next daemon on that socket finds the journal.
         """
         instance = segment.new_instance_id()
         tmp = os.path.join(LOCK_DIR, f".shmstage.{instance}.lock.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            content = f"{os.getpid()}\n" + (f"{_JOURNAL_KEY}{journal}\n" if journal else "")
+            content = f"{os.getpid()}\n"
+            if journal_root:
+                content += f"{_JOURNAL_KEY}{journal_dir(journal_root, instance)}\n"
+            if socket:
+                content += f"{_SOCKET_KEY}{socket}\n"
             os.write(fd, content.encode())
             os.rename(tmp, lock_path(instance))
         except BaseException:
@@ -72,22 +86,85 @@ class InstanceLock:
         os.close(self.fd)
 
 
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """What a lock file says, read without trusting it: who owns it, whether a live daemon
+    holds it, and which journal it names."""
+
+    uid: int
+    held: bool
+    journal: str | None
+    socket: str | None = None
+
+
+def read_lock(path: str) -> LockInfo | None:
+    """The lock at ``path``, or None when there is none (gone, or not a regular file).
+
+    /dev/shm is world-writable, so any local user can plant a FIFO, a symlink or a file of
+    their own under a lock's name. The lock is opened ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO
+    must not block the daemon's start or ``shmstage gc``) and checked with ``fstat`` before
+    anything is read; callers only believe a lock owned by the uid whose segments it
+    concerns. One we may not open is another user's daemon's: live, never touched.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except PermissionError:
+        return LockInfo(-1, True, None)
+    except OSError:  # gone, a symlink (ELOOP), ...
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = True
+        else:
+            held = False
+        text = os.read(fd, 8192).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    fields = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and value:
+            fields[key + sep] = value
+    return LockInfo(st.st_uid, held, fields.get(_JOURNAL_KEY), fields.get(_SOCKET_KEY))
+
+
+def predecessors(socket: str, uid: int) -> list[tuple[str, str]]:
+    """``(instance, journal)`` of every dead instance of ``uid`` that served ``socket``.
+
+    Only locks that ``uid`` owns count: another user cannot hand this daemon a journal.
+    """
+    found = []
+    for instance, path in _locks():
+        info = read_lock(path)
+        if info is None or info.held or info.uid != uid:
+            continue
+        if info.socket == socket and info.journal:
+            found.append((instance, info.journal))
+    return found
+
+
 def live_instances() -> set[str]:
     """Instances whose lock is held right now."""
-    return {instance for instance, path in _locks() if _held(path)}
+    live = set()
+    for instance, path in _locks():
+        info = read_lock(path)
+        if info is not None and info.held:
+            live.add(instance)
+    return live
 
 
 def journal_of(lock: str) -> str | None:
     """The journal directory a lock file names, if any (older locks name none)."""
-    try:
-        with open(lock, "rb") as file:
-            text = file.read(8192).decode("utf-8", "replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(_JOURNAL_KEY) and len(line) > len(_JOURNAL_KEY):
-            return line[len(_JOURNAL_KEY) :]
-    return None
+    info = read_lock(lock)
+    return None if info is None else info.journal
 
 
 def owes_jobs(journal: str, instance: str) -> bool:
@@ -96,13 +173,19 @@ def owes_jobs(journal: str, instance: str) -> bool:
     Only names are listed — no entry is parsed — so a reaper cannot be confused by an
     entry's contents. A journal that cannot be read counts as owing: when unsure, keep.
     """
+    return owed_jobs(journal, instance) != []
+
+
+def owed_jobs(journal: str, instance: str) -> list[str]:
+    """The names of ``instance``'s entries in ``journal`` (``["?"]`` if it cannot be read)."""
     try:
         entries = os.listdir(journal)
     except FileNotFoundError:
-        return False
+        return []
     except OSError:
-        return True
-    return any(e.startswith(f"{instance}.") and e.endswith(JOURNAL_SUFFIX) for e in entries)
+        return ["?"]
+    suffix = JOURNAL_SUFFIX
+    return sorted(e for e in entries if e.startswith(f"{instance}.") and e.endswith(suffix))
 
 
 def _locks() -> list[tuple[str, str]]:
@@ -111,22 +194,6 @@ def _locks() -> list[tuple[str, str]]:
     except FileNotFoundError:
         return []
     return [(m.group(1), os.path.join(LOCK_DIR, e)) for e in entries if (m := _LOCK.match(e))]
-
-
-def _held(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except PermissionError:
-        return True  # another user's daemon: treat as live, never touch
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 @dataclass
@@ -141,6 +208,11 @@ class Reaped:
     skipped_other_uid: int = 0
     #: Dead instances whose journal still owes a checkpoint: nothing of theirs was touched.
     held: set[str] = field(default_factory=set)
+    #: For each held instance: its journal directory, and the entries it still owes there.
+    journals: dict[str, str] = field(default_factory=dict)
+    owed: dict[str, list[str]] = field(default_factory=dict)
+    held_segments: int = 0
+    held_bytes: int = 0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -151,6 +223,16 @@ class Reaped:
             "live_instances": sorted(self.live),
             "skipped_other_uid": self.skipped_other_uid,
             "held_for_journal": sorted(self.held),
+            "held": [
+                {
+                    "instance": held,
+                    "journal": self.journals.get(held, ""),
+                    "owed_jobs": self.owed.get(held, []),
+                }
+                for held in sorted(self.held)
+            ],
+            "held_segments": self.held_segments,
+            "held_bytes": self.held_bytes,
         }
 
 
@@ -159,7 +241,7 @@ def reap(
     only_uid: int | None,
     dry_run: bool = False,
     keep: Collection[str] = (),
-    own_journal: str | None = None,
+    own_journals: Collection[str] = (),
 ) -> Reaped:
     """Unlink segments and locks of instances that are not running.
 
@@ -168,31 +250,49 @@ def reap(
     instance's files (root running ``shmstage gc``). A live instance's files are never
     touched: liveness is the flock, not a pid that may have been reused. Nor are those of a
     dead instance whose journal still owes a job — except by the daemon that owns that
-    journal (``own_journal``), which passes the segments it is about to finish in ``keep``
-    and reaps the rest.
+    journal (``own_journals``: its own and its predecessors'), which passes the segments it
+    is about to finish in ``keep`` and reaps the rest. A dead instance's journal directory
+    goes with its lock once it is empty.
     """
-    report = Reaped(live=live_instances())
+    report = Reaped()
     keep = set(keep)
-    for instance, path in _locks():
-        journal = journal_of(path) if instance not in report.live else None
-        if journal and journal != own_journal and owes_jobs(journal, instance):
-            report.held.add(instance)
+    locks = {instance: (path, read_lock(path)) for instance, path in _locks()}
+    for instance, (_path, info) in locks.items():
+        if info is None:
+            continue
+        if info.held:
+            report.live.add(instance)
+        elif info.journal and info.journal not in own_journals:
+            owed = owed_jobs(info.journal, instance)
+            if owed:
+                report.held.add(instance)
+                report.journals[instance] = info.journal
+                report.owed[instance] = owed
     kept_owners = {segment.instance_of(name) for name in keep}
     alive: dict[str, bool] = {}
     for name in segment.list_names():
         owner = segment.instance_of(name)
-        if owner is None or owner in report.held or name in keep:
-            continue
-        # Checked after listing, per owner: a daemon that started after live_instances()
-        # already holds its lock before its first segment exists, so it shows up here.
-        if owner not in alive:
-            alive[owner] = owner in report.live or _held(lock_path(owner))
-        if alive[owner]:
-            report.live.add(owner)
+        if owner is None or name in keep:
             continue
         try:
             st = os.stat(segment.SHM_DIR + name)
         except FileNotFoundError:
+            continue
+        # A lock speaks for an instance's segments only when the same uid owns both: one
+        # planted by another user can neither keep a dead daemon's memory nor lend life.
+        info = locks.get(owner, (None, None))[1]
+        trusted = info is not None and info.uid in (st.st_uid, -1)
+        if owner in report.held and trusted:
+            report.held_bytes += st.st_blocks * 512
+            report.held_segments += 1
+            continue
+        # Checked after listing, per owner: a daemon that started after the locks were
+        # read already holds its lock before its first segment exists, so it shows up here.
+        if owner not in alive:
+            later = read_lock(lock_path(owner)) if not (trusted and info.held) else info
+            alive[owner] = later is not None and later.held and later.uid in (st.st_uid, -1)
+        if alive[owner]:
+            report.live.add(owner)
             continue
         if only_uid is not None and st.st_uid != only_uid:
             report.skipped_other_uid += 1
@@ -201,21 +301,24 @@ def reap(
             report.segments.append(name)
             report.bytes += st.st_blocks * 512
             report.instances.add(owner)
-    for instance, path in _locks():
+    for instance, (path, info) in locks.items():
         if instance in report.live or instance in report.held or instance in kept_owners:
             continue
-        try:
-            if only_uid is not None and os.stat(path).st_uid != only_uid:
-                continue
-            if not dry_run:
+        if info is None or (only_uid is not None and info.uid != only_uid):
+            continue  # not a lock (a planted FIFO...) or another user's: not ours to remove
+        if not dry_run:
+            try:
                 os.unlink(path)
-        except FileNotFoundError:
-            continue
+            except FileNotFoundError:
+                continue
+            if info.journal and os.path.basename(info.journal) == f"shmstage.{instance}.journal":
+                with contextlib.suppress(OSError):
+                    os.rmdir(info.journal)  # only if empty: an owed entry is never removed
         report.locks.append(path)
         report.instances.add(instance)
     return report
 
 
-def reap_dead(keep: Collection[str] = (), own_journal: str | None = None) -> int:
+def reap_dead(keep: Collection[str] = (), own_journals: Collection[str] = ()) -> int:
     """The daemon's start-up reap: this uid's leftovers only; returns the segments removed."""
-    return len(reap(only_uid=os.geteuid(), keep=keep, own_journal=own_journal).segments)
+    return len(reap(only_uid=os.geteuid(), keep=keep, own_journals=own_journals).segments)

@@ -89,7 +89,7 @@ class TensorSpec:
             raise LayoutError(f"{RESERVED_KEY!r} is reserved by safetensors; rename the key")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise LayoutError(
-                f"tensor {self.key!r}: dtype {self.dtype!r} cannot be stored in safetensors "
+                f"tensor {self.key!r}: dtype {self.dtype!r:.40} cannot be stored in safetensors "
                 f"(supported: {', '.join(DTYPE_SIZES)})"
             )
         if len(self.shape) > MAX_NDIM:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shmstage import datafile, names
+from shmstage import datafile, names, tree
 from shmstage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
 
 __all__ = ["CheckpointInfo", "inspect", "scan"]
@@ -73,6 +73,10 @@ def inspect(path: Path, entries: list[os.DirEntry[str]] | None = None) -> Checkp
     except (OSError, ManifestError) as exc:
         return CheckpointInfo(path, DAMAGED, None, total, count, problem=str(exc))
     step = _step(manifest.metadata)
+    try:
+        tree.tensor_keys(manifest.tree)  # cheap: no tensor is read
+    except tree.TreeError as exc:
+        return CheckpointInfo(path, DAMAGED, step, total, count, problem=f"{MANIFEST_NAME}: {exc}")
     committed = manifest.save.get("committed_unix") if isinstance(manifest.save, dict) else None
     committed = committed if isinstance(committed, int | float) else None
     for name, size in manifest.files.items():

@@ -89,7 +89,7 @@ class Manifest:
                 for key, info in document["tensors"].items()
             }
             return cls(files, tensors, document["tree"], document["metadata"], document["save"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"{MANIFEST_NAME} is missing or mangles a field: {exc!r}") from exc
 
 

@@ -38,6 +38,18 @@ DEFAULT_MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
 MAX_FDS_PER_FRAME: Final = 253
 #: Descriptors may be queued ahead of their frame's bytes, but never without bound.
 MAX_PENDING_FDS: Final = 4 * MAX_FDS_PER_FRAME
+#: What a daemon accepts from a client: only ``commit`` carries descriptors (at most 4).
+DAEMON_MAX_PENDING_FDS: Final = 8
+#: Frames of every op but the two that carry a structure are small: refused above this
+#: before they are decoded, so a 31 MiB "hello" costs nothing.
+SMALL_FRAME_BYTES: Final = 64 * 1024
+LARGE_OPS: Final = frozenset({"register", "commit"})
+#: Decoding frames above ``_COUNTED_ABOVE`` bytes counts the containers it builds and stops
+#: past this many: a frame of tiny maps expands 25-60x when decoded, so bytes alone do not
+#: bound the memory (or the event loop's time) one frame can take. A commit's structure
+#: costs about 7 containers per tensor, a register about 2.
+MAX_DECODED_CONTAINERS: Final = 1_000_000
+_COUNTED_ABOVE: Final = 256 * 1024
 _LENGTH = struct.Struct(">I")
 
 
@@ -251,9 +263,13 @@ class Connection:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         close_fd: Callable[[int], None] = os.close,
+        max_pending_fds: int | None = None,
     ) -> None:
         self.role = role
         self.max_frame_bytes = max_frame_bytes
+        if max_pending_fds is None:
+            max_pending_fds = DAEMON_MAX_PENDING_FDS if role is Role.DAEMON else MAX_PENDING_FDS
+        self.max_pending_fds = max_pending_fds
         self._close_fd = close_fd
         self._buffer = bytearray()
         self._fds: deque[int] = deque()
@@ -276,7 +292,7 @@ class Connection:
             return
         self._buffer += data
         self._fds.extend(fds)
-        if len(self._fds) > MAX_PENDING_FDS:
+        if len(self._fds) > self.max_pending_fds:
             self._fail(
                 ProtocolError(
                     ErrorCode.BAD_FRAME,
@@ -304,6 +320,8 @@ class Connection:
             )
         if length == 0:
             self._fail(ProtocolError(ErrorCode.BAD_FRAME, "empty frame"))
+        if length > SMALL_FRAME_BYTES and self.role is Role.DAEMON:
+            self._check_large(length)
         if len(self._buffer) < _LENGTH.size + length:
             if self._eof:
                 self._fail(ProtocolError(ErrorCode.BAD_FRAME, "stream ended inside a frame"))
@@ -311,6 +329,27 @@ class Connection:
         payload = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
         del self._buffer[: _LENGTH.size + length]
         return self._decode(payload)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet a frame: nonzero while a frame is arriving."""
+        return len(self._buffer)
+
+    def _check_large(self, length: int) -> None:
+        """Only ``register`` and ``commit`` may be large; known from the op, which a client
+        sends first, before the rest of the frame has even arrived."""
+        head = bytes(self._buffer[_LENGTH.size : _LENGTH.size + 64])
+        if len(head) < 64 and len(self._buffer) < _LENGTH.size + length:
+            return  # not enough of it yet to read the op
+        op = _first_op(head)
+        if op not in LARGE_OPS:
+            self._fail(
+                ProtocolError(
+                    ErrorCode.FRAME_TOO_LARGE,
+                    f"a {op or 'frame without op first'} frame of {length} bytes; only "
+                    f"{' and '.join(sorted(LARGE_OPS))} may exceed {SMALL_FRAME_BYTES} bytes",
+                )
+            )
 
     def _idle(self) -> None:
         """Between frames: unclaimed descriptors or a torn length prefix are violations."""
@@ -331,8 +370,22 @@ class Connection:
         try:
             # unpackb bounds every container and string by the payload length, so a small
             # frame cannot ask for a huge allocation; ext types are refused outright.
+            hooks = _Budget().hooks() if len(payload) > _COUNTED_ABOVE else {}
             message = msgpack.unpackb(
-                payload, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
+                payload,
+                raw=False,
+                strict_map_key=True,
+                ext_hook=_refuse_ext,
+                use_list=True,
+                **hooks,
+            )
+        except _OverBudget:
+            self._fail(
+                ProtocolError(
+                    ErrorCode.FRAME_TOO_LARGE,
+                    f"frame of {len(payload)} bytes decodes to more than "
+                    f"{MAX_DECODED_CONTAINERS} maps and lists",
+                )
             )
         except Exception as exc:  # msgpack raises several unrelated types
             self._fail(ProtocolError(ErrorCode.BAD_FRAME, f"undecodable frame: {exc}"))
@@ -450,6 +503,46 @@ class Connection:
         return self.send(
             "error", request_id, {"code": str(code), "message": message, "fatal": fatal}
         )
+
+
+def _first_op(head: bytes) -> str | None:
+    """The op of a frame whose first map entry is ``"op"`` (as every client sends it)."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(head) or 1)
+    unpacker.feed(head)
+    try:
+        unpacker.read_map_header()
+        if unpacker.unpack() != "op":
+            return None
+        op = unpacker.unpack()
+    except Exception:  # truncated or not a map: not a frame we would decode
+        return None
+    return op if isinstance(op, str) else None
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class _Budget:
+    """Counts the maps and lists one decode builds; stops it past the limit."""
+
+    def __init__(self) -> None:
+        self.left = MAX_DECODED_CONTAINERS
+
+    def _map(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        self.left -= 1
+        if self.left < 0:
+            raise _OverBudget
+        return dict(pairs)
+
+    def _list(self, items: list[Any]) -> list[Any]:
+        self.left -= 1
+        if self.left < 0:
+            raise _OverBudget
+        return items
+
+    def hooks(self) -> dict[str, Any]:
+        return {"object_pairs_hook": self._map, "list_hook": self._list}
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

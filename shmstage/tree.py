@@ -119,7 +119,7 @@ def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int =
         if tag == "T" and isinstance(value, str):
             return tensor(value)
         if tag == "f" and isinstance(value, str):
-            return float.fromhex(value)
+            return _float(value)
         if tag == "d" and isinstance(value, list):
             pairs = ((_key(pair), _decode(pair[1], tensor, rebuild, depth + 1)) for pair in value)
             return dict(pairs) if rebuild else _drain(pairs)
@@ -165,6 +165,14 @@ def find(encoded: Any, predicate: Callable[[Any], bool]) -> list[str | int] | No
 def show(path: Sequence[Any]) -> str:
     """Where a value sits, as the caller would index it: ``state_dict['optim'][0]``."""
     return _show(path)
+
+
+def _float(text: str) -> float:
+    """A float tag's value; a malformed or out-of-range one is a TreeError like any bad node."""
+    try:
+        return float.fromhex(text)
+    except (ValueError, OverflowError) as exc:
+        raise TreeError(f"malformed float tag {text!r:.40}: {exc}") from None
 
 
 def _drain(items: Iterable[Any]) -> None:

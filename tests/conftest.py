@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from harness import RawClient, RunningDaemon, start_daemon
 
-from shmstage import segment
+from shmstage import instance, segment
 
 
 @pytest.fixture
@@ -20,6 +22,8 @@ def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
         running.proc.wait(10)
     for name in segment.list_names(running.instance):  # never leak into the next test
         segment.unlink(name)
+    with contextlib.suppress(FileNotFoundError):  # a killed daemon's lock stays otherwise
+        os.unlink(instance.lock_path(running.instance))
 
 
 @pytest.fixture

@@ -34,6 +34,8 @@ class RunningDaemon:
     proc: subprocess.Popen[bytes]
     log_path: Path
     instance: str = field(default="")
+    #: This instance's journal directory, as its start-up line says.
+    journal: Path = field(default=Path("/nonexistent"))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -72,12 +74,14 @@ def start_daemon(
     env: dict[str, str] | None = None,
     log_name: str = "shmstaged.log",
     prefix: Sequence[str] = (),
+    socket: Path | None = None,
 ) -> RunningDaemon:
-    """Start shmstaged on ``tmp/shmstaged.sock``; a restart on the same ``tmp`` reuses the
-    socket (and so the journal) — give it another ``log_name`` to keep the first log.
-    ``prefix`` runs the daemon under a wrapper (``unshare ...``) that must exec it."""
+    """Start shmstaged on ``tmp/shmstaged.sock`` (or ``socket``), logging to ``tmp``; a
+    restart on the same ``tmp`` reuses the socket (and so finds its predecessor's journal)
+    — give it another ``log_name`` to keep the first log. ``prefix`` runs the daemon under
+    a wrapper (``unshare ...``) that must exec it."""
     tmp.mkdir(parents=True, exist_ok=True)
-    sock = tmp / "shmstaged.sock"
+    sock = socket or tmp / "shmstaged.sock"
     log_path = tmp / log_name
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
@@ -95,6 +99,7 @@ def start_daemon(
         if "listening on" in daemon.log():
             text = daemon.log()
             daemon.instance = text.split("(instance ", 1)[1][:16]
+            daemon.journal = Path(text.split(", journal ", 1)[1].split(" on ", 1)[0])
             return daemon
         time.sleep(0.02)
     proc.kill()

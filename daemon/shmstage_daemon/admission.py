@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Final
 
 _UCRED = struct.Struct("3i")
 
@@ -24,22 +25,37 @@ class Peer:
 
 
 def peer_of(sock: socket.socket) -> Peer:
-    """The kernel's word on who is at the other end (SO_PEERCRED), not the peer's."""
+    """The kernel's word on who is at the other end, as it was when the peer connected.
+
+    uid, gid and pid from SO_PEERCRED, supplementary groups from SO_PEERGROUPS: both are
+    the socket's credentials, fixed at connect time. Reading the groups from
+    ``/proc/<pid>`` instead would trust a pid that may by then name another process.
+    """
     pid, uid, gid = _UCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     )
-    return Peer(pid, uid, gid, frozenset({gid, *supplementary_groups(pid)}))
+    return Peer(pid, uid, gid, frozenset({gid, *peer_groups(sock)}))
 
 
-def supplementary_groups(pid: int) -> list[int]:
-    """Not in SO_PEERCRED, so read from /proc; empty when the process is gone or hidden."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return [int(g) for g in line.split()[1:]]
-    except (OSError, ValueError):
-        pass
-    return []
+#: SO_PEERGROUPS (Linux 4.13); Python's socket module does not name it.
+SO_PEERGROUPS: Final = 59
+_GID = struct.Struct("I")
+
+
+def peer_groups(sock: socket.socket) -> list[int]:
+    """The peer's supplementary groups from the socket (empty where the kernel lacks it)."""
+    size = 64 * _GID.size
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE and size < 65536 * _GID.size:
+                size *= 16  # NGROUPS_MAX is 65536
+                continue
+            if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+                return []
+            raise
+        return [value for (value,) in _GID.iter_unpack(raw[: len(raw) - len(raw) % _GID.size])]
 
 
 @dataclass(frozen=True, slots=True)

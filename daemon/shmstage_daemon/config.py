@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import grp
 import json
+import math
 import os
 import pwd
 import tomllib
@@ -97,11 +98,41 @@ def measure_shm(shm_dir: Path = SHM_DIR) -> ShmCapacity:
     figures move while trainers run.
     """
     st = os.statvfs(shm_dir)
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
     return ShmCapacity(
         shm_total=st.f_blocks * st.f_frsize,
         shm_free=st.f_bavail * st.f_frsize,
-        mem_available=psutil.virtual_memory().available,
+        mem_available=available if room is None else min(available, room),
     )
+
+
+def cgroup_room(
+    proc_self: Path = Path("/proc/self"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process's cgroup (v2) may still charge before its ``memory.max``, or None
+    when it has no such limit.
+
+    Segment pages are charged to the daemon's cgroup (the unit's ``MemoryMax=``): a
+    registration that would cross it must be refused with a reason, not end in the
+    cgroup's OOM killer.
+    """
+    try:
+        lines = (proc_self / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    unified = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if unified is None:
+        return None
+    group = cgroup_root / unified.lstrip("/")
+    try:
+        limit = (group / "memory.max").read_text().strip()
+        current = int((group / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(0, int(limit) - current)
 
 
 def _budget_spec(value: Any) -> int | str:
@@ -207,6 +238,12 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return convert
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Invalid("expected true or false")
+
+
 def _absolute_path(value: Any) -> Path:
     if isinstance(value, (str, Path)) and str(value) and os.path.isabs(value):
         return Path(value)
@@ -214,9 +251,15 @@ def _absolute_path(value: Any) -> Path:
 
 
 def _seconds(value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    """0 is allowed: stop the writers at once and leave the journaled jobs to the next start."""
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    ):
         return float(value)
-    raise _Invalid("expected a number of seconds > 0")
+    raise _Invalid("expected a finite number of seconds >= 0")
 
 
 def _optional_port(value: Any) -> int | None:
@@ -284,6 +327,8 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "allowed_groups": ("server", "allowed_groups", _groups),
     "shutdown_timeout": ("server", "shutdown_timeout", _seconds),
     "metrics_port": ("server", "metrics_port", _optional_port),
+    "journal_dir": ("server", "journal_dir", _absolute_path),
+    "allow_disk_journal": ("server", "allow_disk_journal", _bool),
     "shm_budget": ("limits", "shm_budget", _budget),
     "max_bytes": ("limits", "max_bytes", _optional_size),
     "max_segments": ("limits", "max_segments", _int_at_least(1)),
@@ -328,6 +373,8 @@ class Config:
     allowed_groups: frozenset[int] = frozenset()
     shutdown_timeout: float = 60.0
     metrics_port: int | None = None
+    journal_dir: Path = Path("/dev/shm")
+    allow_disk_journal: bool = False
     shm_budget: int | str = "80%"
     max_bytes: int | None = None
     max_segments: int = 65536

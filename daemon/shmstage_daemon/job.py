@@ -27,6 +27,7 @@ import errno
 import mmap
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -124,6 +125,9 @@ class PersistJob:
     #: What the save cost the trainer (``stall_seconds`` and its parts), once its client
     #: reported it; set by the event loop, for the job's log line.
     client_timings: dict[str, float] = field(default_factory=dict)
+    #: Set by a daemon that is stopping and can wait no longer: the job stops at its next
+    #: write and leaves every file in place for the journal (see ``JobInterrupted``).
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -135,6 +139,9 @@ class JobResult:
     code: str = ""
     message: str = ""
     files: list[str] = field(default_factory=list)
+    #: Stopped by the daemon's shutdown, not failed: nothing was removed, and the journal
+    #: entry (if any) must stay so the next start finishes the job.
+    interrupted: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         if self.ok:
@@ -147,6 +154,21 @@ class JobFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class JobInterrupted(Exception):
+    """The daemon is stopping and asked the job to stop now.
+
+    Not a failure: the checkpoint was acknowledged and its journal entry still vouches for
+    the temporary files and the staged segments, so the job must leave all of them exactly
+    where they are — removing them (as a failure does) would lose the checkpoint.
+    """
+
+
+def check_stop(job: PersistJob) -> None:
+    """Raise JobInterrupted if the daemon asked running jobs to stop."""
+    if job.stop.is_set():
+        raise JobInterrupted
 
 
 def run(job: PersistJob) -> JobResult:
@@ -177,6 +199,7 @@ def _run(job: PersistJob) -> JobResult:
     dest = job.destination
     step = Step(f"writing {dest.data_file}")
     try:
+        check_stop(job)  # queued behind other jobs while the daemon began to stop
         if is_committed(dest):  # finishing the job of a daemon killed after its commit
             step.now = "syncing the checkpoint directory"
             size = os.fstat(dest.data_fd).st_size
@@ -186,6 +209,7 @@ def _run(job: PersistJob) -> JobResult:
             return _published(job, size, started)
         total, checksums = _write_data(job, step)
         step.now = f"publishing {dest.data_file}"
+        check_stop(job)
         _check_writable(job)
         _publish(dest, dest.data_tmp, dest.data_file, dest.data_fd)
         faults.pause("before-manifest")
@@ -205,6 +229,7 @@ def _run(job: PersistJob) -> JobResult:
         if job.fsync:
             os.fsync(dest.manifest_fd)
         step.now = f"publishing {MANIFEST_NAME}"
+        check_stop(job)
         _check_writable(job)
         _publish(dest, dest.manifest_tmp, MANIFEST_NAME, dest.manifest_fd)
         step.now = "syncing the checkpoint directory"
@@ -213,15 +238,31 @@ def _run(job: PersistJob) -> JobResult:
         _sync_dir(dest, job.fsync)
         _publish_directory(job, step)
         return _published(job, total, started)
+    except JobInterrupted:
+        return _interrupted(job, step, started)
     except JobFailed as exc:
         code, message = exc.code, exc.message
     except OSError as exc:
         code, message = ErrorCode.STORAGE, _storage_message(dest, step.now, exc)
     except Exception as exc:  # a bug must fail this job, not the writer thread pool
+        if job.stop.is_set():  # e.g. a pool refusing work as the interpreter exits
+            return _interrupted(job, step, started)
         code, message = ErrorCode.INTERNAL, f"internal error while {step.now}: {exc!r}"
     _undo(dest)
     return JobResult(
         job.id, False, seconds=time.perf_counter() - started, code=str(code), message=message
+    )
+
+
+def _interrupted(job: PersistJob, step: Step, started: float) -> JobResult:
+    """Stopped on the daemon's request: every file stays for the next start (no ``_undo``)."""
+    return JobResult(
+        job.id,
+        False,
+        seconds=time.perf_counter() - started,
+        code=str(ErrorCode.SHUTTING_DOWN),
+        message=f"shmstaged stopped while {step.now}; the next start finishes the checkpoint",
+        interrupted=True,
     )
 
 
@@ -271,7 +312,7 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     write_all(fd, job.header, 0)
     checksums = []
     job.progress.phase = "writing"
-    with _Stream(fd, len(job.header), job.progress) as stream:
+    with _Stream(fd, len(job.header), job.progress, job.stop) as stream:
         pairs = zip(job.layout.tensors, job.segments, strict=True)
         for index, (spec, ref) in enumerate(pairs):
             if index == 1:
@@ -303,10 +344,13 @@ class _Stream:
     job and none can land in a descriptor that was closed and reused after a failure.
     """
 
-    def __init__(self, fd: int, position: int, progress: Progress) -> None:
+    def __init__(
+        self, fd: int, position: int, progress: Progress, stop: threading.Event
+    ) -> None:
         self.fd = fd
         self.position = position
         self.progress = progress
+        self.stop = stop
         self.writer = concurrent.futures.ThreadPoolExecutor(1, "shmstage-write")
         #: Two gather buffers, mapped on first use and unmapped by ``close``: anonymous
         #: mappings go back to the OS, where 16 MiB heap blocks stayed in malloc's arenas
@@ -400,6 +444,8 @@ class _Stream:
 
     def _write(self, data: memoryview) -> None:
         faults.maybe_eio("write")
+        if self.stop.is_set():  # checked per chunk: a stopping daemon waits one chunk at most
+            raise JobInterrupted
         self.wait()
         self.in_flight = self.writer.submit(write_all, self.fd, data, self.position)
         self.position += len(data)
@@ -481,6 +527,7 @@ def _publish_directory(job: PersistJob, step: Step) -> None:
                 f"the pending directory {dest.pending_dir} of {dest.shown()} was renamed or "
                 "removed while the checkpoint was written; nothing was published",
             )
+        check_stop(job)
         _check_writable(job, dest.parent_fd)
         try:
             rename_noreplace(dest.parent_fd, dest.pending_dir, dest.final_dir)

@@ -3,12 +3,20 @@
 Once the daemon answers ``committed`` the trainer may free its tensors or exit; from then on
 the staged bytes in the slot's segments are the only copy. If the daemon is SIGKILLed (OOM
 killer, a node agent, a crash) before the checkpoint is durable, the next daemon must still
-publish it. So before acknowledging a commit the daemon writes one small entry per job to a
-directory next to its socket (``<socket>.journal/<instance>.<job>.job``), atomically (written
-to a temporary name, fsynced, renamed, directory fsynced), and removes it once the job ended.
-Its instance lock names the journal, so no reaper unlinks the segments an entry needs
-(``shmstage.instance``). The daemon that serves the socket next finishes every entry before
-it reaps the dead instance's segments.
+publish it. So before acknowledging a commit the daemon writes one small entry per job to
+its instance's journal directory (``/dev/shm/shmstage.<instance>.journal/<instance>.<job>.job``
+by default), atomically (written to a temporary name, fsynced, renamed, directory fsynced),
+and removes it once the job ended.
+
+The trainer waits for that entry, so the journal must never wait on a disk: it lives in
+memory-backed storage (tmpfs or ramfs, checked with statfs at start; a disk needs
+``allow_disk_journal``). That costs nothing in safety: an entry describes shared-memory
+segments, which a reboot erases as well. Each instance gets a directory of its own with an
+unguessable name, so another local user cannot squat it in the world-writable /dev/shm.
+Its instance lock names the journal and the socket, so no reaper unlinks the segments an
+entry needs (``shmstage.instance``), and the daemon that serves the same socket next finds
+its predecessors' journals through their locks and finishes every entry before it reaps the
+dead instance's segments.
 
 Finishing a job needs the destination again, and the daemon never resolves paths a user
 supplied: the client opened the directory and passed its descriptor. At commit the daemon
@@ -33,9 +41,11 @@ directory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,9 +79,47 @@ class JournalError(Exception):
     """The journal, or a job it records, cannot be used; the message says which and why."""
 
 
-def journal_dir(socket_path: Path) -> Path:
-    """The journal lives next to the socket: one per daemon identity, on the same tmpfs."""
+#: statfs f_type of the filesystems a journal may live on without allow_disk_journal.
+_MEMORY_FILESYSTEMS: Final = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def journal_dir(root: Path, instance: str) -> Path:
+    """One instance's journal: a private directory under ``root`` (default /dev/shm)."""
+    return root / f"shmstage.{instance}.journal"
+
+
+def legacy_journal_dir(socket_path: Path) -> Path:
+    """Where daemons before 0.2 kept the journal: next to the socket (often on a disk)."""
     return socket_path.with_name(socket_path.name + ".journal")
+
+
+def filesystem_type(path: Path) -> int:
+    """statfs(2)'s f_type for ``path`` (Python's statvfs does not expose it)."""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _libc.statfs(os.fsencode(path), buffer) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def check_memory_backed(root: Path, *, allow_disk: bool) -> str:
+    """Refuse a journal root on a disk unless allowed; returns the filesystem's name."""
+    kind = filesystem_type(root)
+    name = _MEMORY_FILESYSTEMS.get(kind)
+    if name is not None:
+        return name
+    if allow_disk:
+        return f"disk-backed (f_type {kind:#x}, allowed by allow_disk_journal)"
+    raise JournalError(
+        f"{root} is not memory-backed (statfs f_type {kind:#x}, not tmpfs or ramfs): every "
+        "save would wait for a journal fsync on a disk the daemon is busy writing "
+        "checkpoints to. Use a tmpfs ([server] journal_dir = \"/dev/shm\", the default), or "
+        "set [server] allow_disk_journal = true (--allow-disk-journal) to accept that"
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 
 
 @dataclass(frozen=True)
@@ -429,12 +477,13 @@ def _check_segments(entry: Entry) -> list[SegmentRef]:
     return refs
 
 
-def recover(entry: Entry) -> job.JobResult:
+def recover(entry: Entry, stop: threading.Event | None = None) -> job.JobResult:
     """Finish a journaled job (runs in a writer thread; never raises).
 
     A job whose commit marker the killed daemon already wrote needs no staged bytes, only
     the directory synced; any other needs every segment it staged, or it is given up and
-    whatever it had put in the directory removed.
+    whatever it had put in the directory removed. ``stop``: the daemon's stop request, as
+    for any job (an interrupted recovery stays owed).
     """
     try:
         layout = Layout.from_wire(entry.tensors, max_tensors=1 << 30)
@@ -461,6 +510,7 @@ def recover(entry: Entry) -> job.JobResult:
         save_info={**entry.save_info, "recovered_by_restart": True},
         fsync=entry.fsync,
         peer=entry.peer(),
+        stop=stop if stop is not None else threading.Event(),
     )
     return job.run(persist)
 
@@ -488,6 +538,10 @@ class Journal:
         """
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.directory, 0o700)
+        self.check()
+
+    def check(self) -> None:
+        """The directory must be ours alone (not a symlink, not another user's, not open)."""
         st = os.lstat(self.directory)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             raise JournalError(
@@ -496,6 +550,14 @@ class Journal:
             )
         if st.st_mode & 0o077:
             os.chmod(self.directory, 0o700)
+
+    def remove_if_empty(self) -> bool:
+        """Drop the directory once it owes nothing (a clean stop, a predecessor finished)."""
+        try:
+            os.rmdir(self.directory)
+        except OSError:
+            return False
+        return True
 
     def record(
         self, entry: Entry, *, fsync: bool, prepacked: Mapping[str, bytes] | None = None

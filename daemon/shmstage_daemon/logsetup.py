@@ -34,6 +34,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, ensure_ascii=False, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """One event, one line: control characters in a message are escaped.
+
+    Messages quote what clients sent (their names, paths, errors); a name with a newline
+    must not forge a second, official-looking line in the daemon's log.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(_ESCAPES)
+
+
+#: C0 controls and DEL, written as Python escapes (\n, \x1b, ...).
+_ESCAPES: Final = {c: repr(chr(c))[1:-1] for c in [*range(32), 127]}
+
+
 def configure(level: str, fmt: str) -> None:
     """Apply ``[log] level`` and ``format``; safe to call again on reload."""
     root = logging.getLogger()
@@ -42,5 +57,5 @@ def configure(level: str, fmt: str) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(_HANDLER_NAME)
         root.addHandler(handler)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root.setLevel(level.upper())

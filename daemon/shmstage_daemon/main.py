@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ _OVERRIDES: Final = {
     "max_jobs": "max_jobs",
     "default_slots": "default_slots",
     "metrics_port": "metrics_port",
+    "journal_dir": "journal_dir",
 }
 
 
@@ -75,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix socket to listen on (default: [server] socket_path, else $SHMSTAGE_SOCKET, "
         "else /run/shmstage/shmstaged.sock as root, else a per-user path)",
     )
-    parser.add_argument("--writer-threads", type=int, default=None)
+    parser.add_argument(
+        "--writer-threads",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="checkpoints written at once (default 4; restart to change)",
+    )
     parser.add_argument(
         "--no-fsync",
         action="store_true",
@@ -83,30 +91,105 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_number,
         default=None,
-        help="seconds to let in-flight checkpoints finish on SIGTERM",
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight checkpoints may finish (default 60); past it "
+        "their writers stop and the next start finishes them; 0 stops at once",
     )
-    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default=None, choices=["text", "json"])
-    parser.add_argument("--shm-budget", default=None, help='bytes, "64GiB" or "80%%" of /dev/shm')
-    parser.add_argument("--max-bytes", default=None, help="shared memory one client may hold")
-    parser.add_argument("--max-segments", type=int, default=None)
-    parser.add_argument("--max-layouts", type=int, default=None)
-    parser.add_argument("--max-jobs", type=int, default=None)
-    parser.add_argument("--default-slots", type=int, default=None)
-    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="debug, info (default), warning or error",
+    )
+    parser.add_argument("--log-format", default=None, help="text (default) or json")
+    parser.add_argument(
+        "--shm-budget",
+        default=None,
+        metavar="SIZE",
+        help='shared memory all clients together may stage: bytes, "64GiB" or "80%%" of '
+        "/dev/shm (default 80%%)",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        default=None,
+        metavar="SIZE",
+        help="shared memory one client may hold (default: the budget)",
+    )
+    parser.add_argument(
+        "--max-segments",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="segments (tensors x slots) one client may hold (default 65536)",
+    )
+    parser.add_argument(
+        "--max-layouts",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="state dict structures one client may have registered at once (default 16)",
+    )
+    parser.add_argument(
+        "--max-jobs",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="checkpoints of one client being written at once (default 4)",
+    )
+    parser.add_argument(
+        "--default-slots",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="staging slots per layout when the client does not say (default 2)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_number,
+        default=None,
+        metavar="PORT",
+        help="also serve Prometheus metrics on http://127.0.0.1:PORT/metrics",
+    )
+    parser.add_argument(
+        "--journal-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the journal of acknowledged checkpoints lives (default /dev/shm); must "
+        "be memory-backed unless --allow-disk-journal",
+    )
+    parser.add_argument(
+        "--allow-disk-journal",
+        action="store_true",
+        help="accept a journal directory on a disk (every save then waits for its fsync)",
+    )
     parser.add_argument("--version", action="version", version=f"shmstaged {__version__}")
     return parser
+
+
+def _number(text: str) -> int | float | str:
+    """A numeric flag's value; anything else passes through so that the configuration's
+    validator refuses it like a bad file value (exit 78, naming the setting), rather than
+    argparse exiting 2 with a usage line."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the command line gives, as Config field names (absent flags omitted)."""
     out = {field: getattr(args, dest) for dest, field in _OVERRIDES.items()}
-    if out["socket_path"] is not None:
-        out["socket_path"] = Path(out["socket_path"]).absolute()
+    for key in ("socket_path", "journal_dir"):
+        if out[key] is not None:
+            out[key] = Path(out[key]).absolute()
     if args.no_fsync:
         out["fsync"] = "never"
+    if args.allow_disk_journal:
+        out["allow_disk_journal"] = True
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -132,6 +215,8 @@ def settings_of(config: Config) -> Settings:
         fsync=config.fsync == "always",
         shutdown_timeout=config.shutdown_timeout,
         default_slots=config.default_slots,
+        journal_root=config.journal_dir,
+        allow_disk_journal=config.allow_disk_journal,
         config_source=config.source,
     )
 
@@ -147,6 +232,8 @@ def describe(config: Config) -> str:
         f"  allowed_groups   {sorted(config.allowed_groups)}",
         f"  shutdown_timeout {config.shutdown_timeout:g} s",
         f"  metrics_port     {config.metrics_port or 'off'}",
+        f"  journal_dir      {config.journal_dir}"
+        + (" (disk allowed)" if config.allow_disk_journal else ""),
         f"  shm_budget       {config.shm_budget} = {budget}",
         f"  per client       max_bytes {max_bytes}, max_segments {config.max_segments}, "
         f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",
@@ -210,7 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = Service(
         daemon, notifier, config, functools.partial(load, args.config, overrides), settings_of
     )
-    return asyncio.run(service.run())
+    status = asyncio.run(service.run())
+    if daemon.abandoned_writers:
+        # A writer is stuck in the kernel (hung storage): a normal exit would join its
+        # thread forever. Everything it owed is journaled, so leave without it.
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import resource
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,13 @@ from typing import Any, TypeVar
 
 from shmstage import instance, segment
 from shmstage.layout import Layout
-from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES, Connection, ErrorCode, Role
+from shmstage.protocol import (
+    DAEMON_MAX_PENDING_FDS,
+    DEFAULT_MAX_FRAME_BYTES,
+    Connection,
+    ErrorCode,
+    Role,
+)
 from shmstage.segment import SegmentRef
 from shmstage.units import format_size
 from shmstage_daemon import __version__, faults, job, journal
@@ -43,6 +50,10 @@ T = TypeVar("T")
 #: How long a refused peer gets to read why, and how many may be reading at once.
 REFUSAL_LINGER_S = 2.0
 MAX_LINGERING_REFUSALS = 64
+#: After ``shutdown_timeout``, how long writers get to notice the stop request. A writer
+#: stops at its next chunk (tens of milliseconds) or after an fsync in progress; one stuck
+#: in the kernel for longer is left behind (the process exits without it, see ``main``).
+STOP_GRACE_S = 15.0
 
 
 class StartupError(Exception):
@@ -60,6 +71,9 @@ class Settings:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     default_slots: int = 2
     config_source: Path | None = None
+    #: Where instances' journal directories live; memory-backed unless allow_disk_journal.
+    journal_root: Path = Path("/dev/shm")
+    allow_disk_journal: bool = False
 
     #: What a SIGHUP reload can change in a running daemon; the rest needs a restart.
     RELOADABLE = ("limits", "allowlist", "fsync", "shutdown_timeout", "default_slots")
@@ -105,15 +119,30 @@ class Daemon:
         self._stop = asyncio.Event()
         self._pending_unlinks: set[asyncio.Future[Any]] = set()
         self._refusing = 0
-        self.journal = journal.Journal(journal.journal_dir(settings.socket_path))
+        #: This instance's journal (its directory is named after the instance: see start).
+        self.journal = journal.Journal(settings.journal_root / "shmstage.unstarted.journal")
+        self.journal_kind = "?"
+        #: Journal directories of this socket's dead predecessors, by path.
+        self._adopted: dict[str, journal.Journal] = {}
         #: job id -> journal entry name, for jobs acknowledged by this instance.
         self._journaled: dict[int, str] = {}
         #: job id -> journal entry name, for commits journaled pending (see journal_commit).
         self._pending_entries: dict[int, str] = {}
         #: Journal entries of dead instances' jobs not finished yet, by entry name.
         self._owed: dict[str, journal.Entry] = {}
+        #: ...and the journal each of them lives in.
+        self._entry_journal: dict[str, journal.Journal] = {}
         #: journal entry name -> the writer's future, while an owed job is being finished.
         self.recovering: dict[str, asyncio.Future[job.JobResult]] = {}
+        #: Set when the stop can wait no longer: every job stops at its next write, leaving
+        #: its files, segments and journal entry for the next start.
+        self._stop_writers = threading.Event()
+        #: Segments of jobs this instance stopped (or never started) before they were
+        #: durable: the journal still owes them, so they outlive this process.
+        self._owed_at_exit: set[str] = set()
+        #: Writers still running when the daemon had to go (storage hung): ``main`` exits
+        #: without joining them.
+        self.abandoned_writers = False
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -136,23 +165,32 @@ class Daemon:
         _raise_fd_limit()
         if listener is not None:
             self.settings.socket_path = Path(listener.getsockname())
-            self.journal = journal.Journal(journal.journal_dir(self.settings.socket_path))
-        self._lock = instance.InstanceLock.claim(journal=str(self.journal.directory))
+        root = self.settings.journal_root
+        try:
+            self.journal_kind = journal.check_memory_backed(
+                root, allow_disk=self.settings.allow_disk_journal
+            )
+        except (OSError, journal.JournalError) as exc:
+            raise StartupError(f"cannot keep the journal in {root}: {exc}") from None
+        self._lock = instance.InstanceLock.claim(
+            journal_root=str(root), socket=str(self.settings.socket_path)
+        )
         self.instance = self._lock.instance
+        self.journal = journal.Journal(Path(instance.journal_dir(str(root), self.instance)))
         if listener is not None:
             self.activated = True
             self._listener = listener
         else:
             self._listener = bind(self.settings.socket_path)
-        # Only now, serving this socket alone, may we take over its journal.
+        # Only now, serving this socket alone, may we take over its predecessors' journals.
         try:
             self.journal.prepare()
-            owed = self.journal.load()
         except (OSError, journal.JournalError) as exc:
             raise StartupError(f"cannot use the journal {self.journal.directory}: {exc}") from None
+        owed = self._adopt_predecessors()
         self._owed = {entry.name: entry for entry in owed}
         keep = {name for entry in owed for name, _ in entry.segments}
-        reaped = instance.reap_dead(keep=keep, own_journal=str(self.journal.directory))
+        reaped = instance.reap_dead(keep=keep, own_journals=self._own_journals())
         if reaped:
             log.info("reaped %d segment(s) left by dead shmstaged instances", reaped)
         if owed:
@@ -162,13 +200,47 @@ class Daemon:
                 len(owed),
             )
         log.info(
-            "shmstaged %s listening on %s%s (instance %s, admitting %s)",
+            "shmstaged %s listening on %s%s (instance %s, journal %s on %s, admitting %s)",
             __version__,
             self.settings.socket_path,
             " (socket activation)" if self.activated else "",
             self.instance,
+            self.journal.directory,
+            self.journal_kind,
             self.settings.allowlist.describe(),
         )
+
+    def _adopt_predecessors(self) -> list[journal.Entry]:
+        """Load what dead daemons on this socket still owe, from their own journals.
+
+        Found through their lock files (which only this uid can have written), plus the
+        directory next to the socket where daemons before 0.2 kept it. A journal that
+        cannot be read is logged and left alone: its lock keeps its segments.
+        """
+        socket = self.settings.socket_path
+        directories = [Path(d) for _, d in instance.predecessors(str(socket), os.geteuid())]
+        legacy = journal.legacy_journal_dir(socket)
+        if legacy.is_dir() and not legacy.is_symlink():
+            directories.append(legacy)
+        owed = []
+        for directory in directories:
+            adopted = journal.Journal(directory)
+            try:
+                adopted.check()
+                entries = adopted.load()
+            except FileNotFoundError:
+                continue
+            except (OSError, journal.JournalError) as exc:
+                log.error("cannot read the journal %s of a previous instance: %s", directory, exc)
+                continue
+            self._adopted[str(directory)] = adopted
+            for entry in entries:
+                self._entry_journal[entry.name] = adopted
+            owed += entries
+        return owed
+
+    def _own_journals(self) -> set[str]:
+        return {str(self.journal.directory), *self._adopted}
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -210,7 +282,7 @@ class Daemon:
             log.warning("cannot identify a peer: %s", exc)
             sock.close()
             return
-        transport = Transport(sock)
+        transport = Transport(sock, max_fds=DAEMON_MAX_PENDING_FDS)
         if not self.settings.allowlist.admits(peer):
             log.warning("refused %s: not in the allowlist", peer.describe())
             refusal = Connection(Role.DAEMON).error_frame(
@@ -253,6 +325,15 @@ class Daemon:
             transport.close()
 
     async def _shutdown(self) -> None:
+        """Stop serving, let checkpoints being written finish, and leave nothing behind —
+        except what the journal still vouches for.
+
+        Past ``shutdown_timeout`` the writers are asked to stop (``job.JobInterrupted``):
+        each leaves its temporary files, and the daemon leaves the staged segments, the
+        journal entry and its lock file (which names the journal to reapers), so the next
+        start on this socket finishes the checkpoint. A stop must never turn an
+        acknowledged checkpoint into a failed one.
+        """
         if self._listener is not None:
             self._listener.close()
             if not self.activated:
@@ -260,34 +341,42 @@ class Daemon:
                     self.settings.socket_path.unlink()
         pending = [record.future for record in self.jobs.values()]
         pending += list(self.recovering.values())
-        owed: set[str] = set()  # segments of acknowledged jobs still being written
         if pending:
             log.info(
-                "waiting up to %.0f s for %d checkpoint(s) being written",
-                self.settings.shutdown_timeout,
+                "waiting up to %s for %d checkpoint(s) being written",
+                format_seconds(self.settings.shutdown_timeout),
                 len(pending),
             )
             _done, not_done = await asyncio.wait(pending, timeout=self.settings.shutdown_timeout)
             if not_done:
-                owed = {
-                    ref.name
-                    for record in self.jobs.values()
-                    if record.future in not_done
-                    for ref in record.persist.segments
-                }
                 log.error(
-                    "%d checkpoint(s) did not finish within %.0f s; leaving them to the "
-                    "writer still running and, should it not finish, to the next start "
-                    "(journal %s)",
+                    "%d checkpoint(s) did not finish within %s; stopping their writers — "
+                    "their files, staged segments and journal entries stay, and the next "
+                    "start on %s finishes them (journal %s)",
                     len(not_done),
-                    self.settings.shutdown_timeout,
+                    format_seconds(self.settings.shutdown_timeout),
+                    self.settings.socket_path,
                     self.journal.directory,
                 )
+                self._stop_writers.set()
+                _done, stuck = await asyncio.wait(not_done, timeout=STOP_GRACE_S)
+                if stuck:
+                    self.abandoned_writers = True
+                    for record in self.jobs.values():
+                        if record.future in stuck:
+                            self._keep_for_journal(record)
+                    log.error(
+                        "%d writer(s) did not stop within %s (storage not answering?); "
+                        "exiting without them — the journal still owes their checkpoints",
+                        len(stuck),
+                        format_seconds(STOP_GRACE_S),
+                    )
         await self._flush_sessions()
         for session in list(self.sessions.values()):
             session.close()
         if self._pending_unlinks:
             await asyncio.wait(self._pending_unlinks, timeout=10)
+        owed = self._owed_at_exit
         leftover = set(self.store.all_segment_names() + segment.list_names(self.instance))
         leftover -= owed
         for name in leftover:
@@ -297,11 +386,21 @@ class Daemon:
         self._journal_io.shutdown(wait=False, cancel_futures=True)
         if self._lock is not None:
             if owed:
-                # Held until this process exits, then names the journal to every reaper.
-                log.info("instance lock kept until the unfinished writers exit")
+                # The lock file stays: it names the journal, so reapers leave the owed
+                # segments alone; the flock goes with this process.
+                owes = len(self._owed_jobs())
+                log.info("instance lock file kept: the journal owes %d job(s)", owes)
             else:
+                self.journal.remove_if_empty()
                 self._lock.release()
-        log.info("stopped; %d segment(s) unlinked at exit", len(set(leftover)))
+        log.info("stopped; %d segment(s) unlinked at exit", len(leftover))
+
+    def _keep_for_journal(self, record: JobRecord) -> None:
+        """A job that will not finish in this process: its segments outlive it."""
+        self._owed_at_exit.update(ref.name for ref in record.persist.segments)
+
+    def _owed_jobs(self) -> list[str]:
+        return list(self._journaled.values()) + list(self._owed)
 
     async def _flush_sessions(self, timeout: float = 5.0) -> None:
         """Let job results that just finished reach their clients before the sockets close.
@@ -344,7 +443,7 @@ class Daemon:
             tight = (
                 "free space in /dev/shm"
                 if cap.shm_free <= cap.mem_available
-                else ("memory available on this node")
+                else "memory available to shmstaged (the node's, or its cgroup's MemoryMax=)"
             )
             raise StoreError(
                 ErrorCode.SHM_EXHAUSTED,
@@ -487,12 +586,19 @@ class Daemon:
         while entry.instance in instance.live_instances():
             await asyncio.sleep(1.0)
         loop = asyncio.get_running_loop()
-        future = asyncio.wrap_future(self._writers.submit(journal.recover, entry), loop=loop)
+        future = asyncio.wrap_future(
+            self._writers.submit(journal.recover, entry, self._stop_writers), loop=loop
+        )
         self.recovering[entry.name] = future
         try:
             result = await future
+        except asyncio.CancelledError:  # never started: the daemon is stopping
+            result = _never_started(entry.job)
         finally:
             self.recovering.pop(entry.name, None)
+        if result.interrupted:
+            log.warning("%s: stopped with the daemon; owed to the next start", entry.describe())
+            return
         if result.ok:
             self.stats["saves"] += 1
             self.stats["bytes"] += result.bytes
@@ -501,13 +607,18 @@ class Daemon:
             self.stats["failed"] += 1
             log.error("could not finish %s: %s", entry.describe(), result.message)
         await self.run_io(_unlink_all, [name for name, _ in entry.segments])
-        self._remove_entry(entry.name)
+        source = self._entry_journal.pop(entry.name)
+        await asyncio.get_running_loop().run_in_executor(
+            self._journal_io, functools.partial(source.remove, entry.name, fsync=self.fsync)
+        )
         del self._owed[entry.name]
+        if source not in self._entry_journal.values() and source.remove_if_empty():
+            log.info("previous journal %s is finished and removed", source.directory)
         # Whatever else the predecessor left (its lock file) goes now, except the segments
         # of jobs still owed.
         keep = {name for owed in self._owed.values() for name, _ in owed.segments}
         reap = functools.partial(
-            instance.reap_dead, keep=keep, own_journal=str(self.journal.directory)
+            instance.reap_dead, keep=keep, own_journals=self._own_journals()
         )
         self._track(asyncio.ensure_future(self.run_io(reap)))
 
@@ -525,6 +636,7 @@ class Daemon:
         with contextlib.suppress(OSError):  # for status displays only; never used to write
             located = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
             directory = persist.destination.shown(located)
+        persist.stop = self._stop_writers
         future = asyncio.wrap_future(self._writers.submit(job.run, persist), loop=loop)
         record = JobRecord(persist, session, staged, slot, time.perf_counter(), future, directory)
         self.jobs[persist.id] = record
@@ -533,16 +645,25 @@ class Daemon:
     def _job_done(self, record: JobRecord, future: asyncio.Future[job.JobResult]) -> None:
         self.jobs.pop(record.persist.id, None)
         if future.cancelled():
-            result = job.JobResult(
-                record.persist.id,
-                False,
-                code=str(ErrorCode.SHUTTING_DOWN),
-                message="shmstaged stopped before the checkpoint was written",
-            )
             record.persist.destination.close()
+            result = _never_started(record.persist.id)
         else:
             result = future.result()
-            self._unjournal(record.persist.id)  # ran to an end: nothing is owed any more
+        if result.interrupted:
+            # Stopped with the daemon: the journal entry, the files and the segments stay
+            # for the next start. The slot stays PERSISTING, so its layout is never
+            # collected (and its segments never unlinked) by this process.
+            self._keep_for_journal(record)
+            if record.persist.id in self._journaled:
+                log.warning("job %d: %s", result.job, result.message)
+            else:
+                log.error(
+                    "job %d: shmstaged stopped before it was written, and it could not be "
+                    "journaled (directory not reachable by path): this checkpoint is lost",
+                    result.job,
+                )
+            return
+        self._unjournal(record.persist.id)  # ran to an end: nothing is owed any more
         self.store.end_job(record.session.id, record.staged, record.slot, record.persist.id)
         if result.ok:
             self.stats["saves"] += 1
@@ -586,6 +707,8 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started,
             "socket": str(self.settings.socket_path),
+            "journal": str(self.journal.directory),
+            "journal_filesystem": self.journal_kind,
             "activated": self.activated,
             "config": str(self.settings.config_source or ""),
             "stopping": self.stopping,
@@ -655,6 +778,22 @@ class Daemon:
         )
 
 
+def _never_started(job_id: int) -> job.JobResult:
+    """A job the stopping daemon cancelled in the writers' queue: owed, like an interrupted one."""
+    return job.JobResult(
+        job_id,
+        False,
+        code=str(ErrorCode.SHUTTING_DOWN),
+        message="shmstaged stopped before the checkpoint was written; the next start writes it",
+        interrupted=True,
+    )
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for log lines: 0.5 s stays 0.5 s (not "0 s"), 60 s stays 60 s."""
+    return f"{seconds:g} s"
+
+
 def _unlink_all(names: list[str]) -> None:
     for name in names:
         segment.unlink(name)
@@ -663,6 +802,7 @@ def _unlink_all(names: list[str]) -> None:
 def bind(path: Path) -> socket.socket:
     """Bind the listening socket (mode 0660), refusing to steal one a live daemon serves."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    check_socket_directory(path.parent)
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -693,6 +833,33 @@ def bind(path: Path) -> socket.socket:
     os.chmod(path, 0o660)
     sock.listen(128)
     return sock
+
+
+def check_socket_directory(directory: Path) -> None:
+    """Serve only from a directory no other user controls.
+
+    Whoever may write the socket's directory may delete the socket and bind their own in
+    its place, and trainers would then stage their tensors into segments that user owns.
+    So the directory must be this daemon's own (or root's), not a symlink, and writable by
+    nobody else — or sticky (like /tmp), where others cannot remove what is ours.
+    """
+    try:
+        st = directory.lstat()
+    except OSError as exc:
+        raise StartupError(f"cannot use socket directory {directory}: {exc.strerror}") from None
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink?)"
+    elif st.st_uid not in (os.geteuid(), 0):
+        problem = f"belongs to uid {st.st_uid}, not to this daemon's uid {os.geteuid()}"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        problem = "is writable by other users"
+    if problem is not None:
+        raise StartupError(
+            f"socket directory {directory} {problem}: another user could replace the socket "
+            "with their own; use a directory only this user (or root) can write, e.g. the "
+            "default, or remove it and let shmstaged create it"
+        )
 
 
 def _raise_fd_limit() -> None:

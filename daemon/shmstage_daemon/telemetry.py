@@ -15,6 +15,12 @@ from shmstage.metrics import BYTE_BUCKETS, SECOND_BUCKETS, Registry
 
 RECENT_JOBS: Final = 64
 RECENT_ERRORS: Final = 20
+#: Errors echo what a client sent; kept ones are cut so that one hostile request cannot
+#: make ``status`` (which carries them to everyone) larger than a frame.
+MAX_ERROR_CHARS: Final = 500
+#: A client-reported duration beyond this is not a measurement: dropped from the metrics,
+#: so a hostile ``1e308`` cannot turn the histograms' sums into infinity.
+MAX_REPORTED_SECONDS: Final = 7 * 86400.0
 #: "Recent throughput" means the saves finished within this many seconds.
 THROUGHPUT_WINDOW_S: Final = 300.0
 
@@ -37,6 +43,15 @@ class RecentError:
     code: str
     message: str
     job: int | None = None
+
+
+def plausible(seconds: float | None) -> bool:
+    """A duration a client reported that may enter the metrics."""
+    return seconds is not None and 0 <= seconds <= MAX_REPORTED_SECONDS
+
+
+def shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class Telemetry:
@@ -78,15 +93,15 @@ class Telemetry:
         """A client committed a slot. Clients older than the "report" op sent their copy
         and slot-wait times with the commit (``stage_seconds``); newer ones report later."""
         self.registry.inc("bytes_staged_total", nbytes)
-        if stage_seconds is not None and stage_seconds >= 0:
+        if plausible(stage_seconds):
             self.registry.observe("copy_seconds", float(stage_seconds))
-        if slot_wait is not None and slot_wait >= 0:
+        if plausible(slot_wait):
             self.registry.observe("slot_wait_seconds", float(slot_wait))
 
     def reported(self, timings: dict[str, float]) -> None:
         """A client said what a committed save cost it, once its save() had returned."""
         for name in ("stall_seconds", "copy_seconds", "slot_wait_seconds"):
-            if name in timings:
+            if plausible(timings.get(name)):
                 self.registry.observe(name, timings[name])
 
     def registered(self) -> None:
@@ -104,7 +119,9 @@ class Telemetry:
 
     def error(self, client: str, code: str, message: str, *, job: int | None = None) -> None:
         self.registry.inc("errors_total", code=code or "unknown")
-        self.errors.append(RecentError(time.time(), client, code, message, job))
+        self.errors.append(
+            RecentError(time.time(), client, code[:64], shorten(message, MAX_ERROR_CHARS), job)
+        )
 
     # -- views -------------------------------------------------------------------
 

@@ -14,14 +14,24 @@ from collections.abc import Sequence
 from typing import Final
 
 RECV_BYTES: Final = 256 * 1024
-RECV_FDS: Final = 253
+
+
+class TooManyDescriptors(ConnectionError):
+    """The peer sent more descriptors at once than this side takes; the kernel dropped
+    the excess (MSG_CTRUNC), so the stream can no longer be trusted."""
 
 
 class Transport:
-    def __init__(self, sock: socket.socket, *, send_timeout: float = 30.0) -> None:
+    def __init__(
+        self, sock: socket.socket, *, send_timeout: float = 30.0, max_fds: int = 253
+    ) -> None:
+        """``max_fds``: descriptors accepted per receive. The daemon passes a handful
+        (only a commit carries any): the kernel then installs no more than that in this
+        process, whatever a client sends, and drops the rest itself."""
         sock.setblocking(False)
         self.sock = sock
         self.send_timeout = send_timeout
+        self.max_fds = max_fds
         self._send_lock = asyncio.Lock()
         self.closed = False
 
@@ -46,9 +56,14 @@ class Transport:
             if self.closed:
                 return b"", []
             try:
-                data, fds, _flags, _addr = socket.recv_fds(
-                    self.sock, RECV_BYTES, RECV_FDS, socket.MSG_CMSG_CLOEXEC
+                data, fds, flags, _addr = socket.recv_fds(
+                    self.sock, RECV_BYTES, self.max_fds, socket.MSG_CMSG_CLOEXEC
                 )
+                if flags & socket.MSG_CTRUNC:
+                    close_fds(fds)
+                    raise TooManyDescriptors(
+                        f"the peer sent more than {self.max_fds} descriptors at once"
+                    )
                 return data, list(fds)
             except (BlockingIOError, InterruptedError):
                 await self._ready(write=False)

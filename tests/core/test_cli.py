@@ -188,3 +188,43 @@ def test_the_cli_never_imports_torch_or_the_daemon() -> None:
         ["torch", "shmstage_daemon", "shmstage_client", "psutil"],
     )
     assert loaded == []
+
+
+def test_status_json_leaves_out_its_own_connection_and_ends_quietly_on_a_closed_pipe(
+    daemon: RunningDaemon,
+) -> None:
+    status = json.loads(shmstage("status", "--json", "--socket", str(daemon.socket)).stdout)
+    assert status["clients"] == []  # nobody but this command is connected
+    piped = subprocess.run(
+        f"{sys.executable} -m shmstage.cli status --json --socket {daemon.socket} | head -1",
+        shell=True, capture_output=True, text=True, timeout=60,
+    )
+    assert piped.stdout.strip() == "{"
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr
+
+
+def test_gc_says_what_a_dead_daemons_journal_keeps_and_why(tmp_path: Path) -> None:
+    dead = segment.new_instance_id()
+    journal = tmp_path / "shmstaged.sock.journal"
+    journal.mkdir()
+    (journal / f"{dead}.7.job").write_bytes(b"owed")
+    Path(instance.lock_path(dead)).write_text(f"12345\njournal={journal}\n")
+    held = [segment.create(dead, 1 << 20) for _ in range(2)]
+    try:
+        out = shmstage("gc").stdout
+        assert f"kept: shared memory of dead instance {dead}" in out, out
+        owes = f"its journal {journal} still owes 1 acknowledged checkpoint(s) ({dead}.7.job)"
+        assert owes in out
+        assert "kept in all: 2 segment(s), 2.0 MiB" in out
+        report = json.loads(shmstage("gc", "--json").stdout)
+        assert report["held"] == [
+            {"instance": dead, "journal": str(journal), "owed_jobs": [f"{dead}.7.job"]}
+        ]
+        assert all(os.path.exists(segment.SHM_DIR + ref.name) for ref in held)
+        # Temporary files are left alone while a journal owes checkpoints.
+        swept = shmstage("gc", "--checkpoints", str(tmp_path)).stdout
+        assert "none removed while a dead daemon's journal owes checkpoints" in swept
+    finally:
+        for ref in held:
+            segment.unlink(ref.name)
+        os.unlink(instance.lock_path(dead))

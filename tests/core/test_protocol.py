@@ -9,9 +9,11 @@ import msgpack
 import pytest
 
 from shmstage.protocol import (
+    MAX_DECODED_CONTAINERS,
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
     REPORT_PARTS,
+    SMALL_FRAME_BYTES,
     Connection,
     ErrorCode,
     ProtocolError,
@@ -125,6 +127,60 @@ def test_an_oversized_length_is_refused_before_the_payload_arrives() -> None:
     with pytest.raises(ProtocolError) as info:
         daemon.next_frame()
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_only_register_and_commit_may_be_large_known_before_they_arrive() -> None:
+    """A 31 MiB "hello" is refused from its first 64 bytes: nothing is buffered or decoded."""
+    daemon = Connection(Role.DAEMON)
+    head = msgpack.packb({"op": "hello", "id": 1, "nfds": 0, "client": "x" * 100})
+    daemon.receive_data(struct.pack(">I", 31 << 20) + head)
+    with pytest.raises(ProtocolError, match="only commit and register may exceed") as info:
+        daemon.next_frame()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+    _client, greeted = greeted_daemon_side()
+    body = {"op": "status", "id": 2, "nfds": 0, "pad": "y" * (SMALL_FRAME_BYTES + 1)}
+    greeted.receive_data(raw(body))
+    with pytest.raises(ProtocolError, match="a status frame of"):
+        greeted.next_frame()
+
+
+def test_a_large_register_is_accepted() -> None:
+    client, daemon = greeted_daemon_side()
+    tensors = [[f"layer.{i}.weight", "BF16", [1024, 1024], None] for i in range(20_000)]
+    daemon.receive_data(client.send("register", 2, {"tensors": tensors, "slots": 2}))
+    frame = daemon.next_frame()
+    assert frame.op == "register" and len(frame.body["tensors"]) == 20_000
+
+
+def test_a_frame_of_tiny_maps_is_stopped_at_its_decoding_budget() -> None:
+    """Two bytes per empty map would decode to 30-60x their size; the count stops it."""
+    _client, daemon = greeted_daemon_side()
+    count = MAX_DECODED_CONTAINERS + 10
+    head = msgpack.packb({"op": "commit", "id": 2, "nfds": 0})  # a fixmap of 3 entries...
+    payload = (
+        b"\x84"  # ...made one of 4, the fourth being "tree": an array32 of empty maps
+        + head[1:]
+        + msgpack.packb("tree")
+        + b"\xdd"
+        + struct.pack(">I", count)
+        + b"\x80" * count
+    )
+    daemon.receive_data(struct.pack(">I", len(payload)) + payload)
+    with pytest.raises(ProtocolError, match="decodes to more than") as info:
+        daemon.next_frame()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_a_daemon_holds_few_descriptors_ahead_of_their_frame() -> None:
+    """Only commit carries descriptors (at most 4): a flood of them is refused and closed."""
+    _client, daemon = greeted_daemon_side()
+    pipes = [os.pipe() for _ in range(5)]
+    fds = [fd for pair in pipes for fd in pair]
+    with pytest.raises(ProtocolError, match="file descriptors queued"):
+        daemon.receive_data(b"\x00", fds)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 def test_a_second_hello_is_out_of_order() -> None:

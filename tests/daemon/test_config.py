@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import grp
 import os
+import shutil
+import socket
 import subprocess
+import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 import pytest
-from shmstage_daemon.admission import Allowlist, Peer, supplementary_groups
+from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,
     ConfigError,
     ShmCapacity,
+    cgroup_room,
     load_config,
     measure_shm,
     resolve_budget,
 )
+from shmstage_daemon.main import build_parser
 
 from shmstage import paths
 from shmstage.paths import default_socket_path
@@ -213,7 +219,10 @@ def test_unknown_table_and_top_level_keys_are_rejected(tmp_path: Path) -> None:
         ('[log]\nlevel = "trace"\n', '[log] level = "trace": expected one of "debug", "info"'),
         ('[log]\nformat = "xml"\n', '[log] format = "xml": expected one of "text", "json"'),
         ('[server]\nsocket_path = "run/s"\n', 'socket_path = "run/s": expected an absolute'),
-        ("[server]\nshutdown_timeout = 0\n", "shutdown_timeout = 0: expected a number of seconds"),
+        (
+            "[server]\nshutdown_timeout = -1\n",
+            "shutdown_timeout = -1: expected a finite number of seconds",
+        ),
         ("[server]\nmetrics_port = 70000\n", "metrics_port = 70000: expected a TCP port"),
         ('[server]\nallowed_users = "root"\n', 'allowed_users = "root": expected a list of user'),
         ('[limits]\nmax_bytes = "lots"\n', '[limits] max_bytes = "lots": expected bytes'),
@@ -268,6 +277,22 @@ def test_capacity_is_limited_by_free_shm_and_available_memory() -> None:
     assert live.mem_available > 0
 
 
+def test_a_cgroup_memory_limit_caps_what_registrations_may_take(tmp_path: Path) -> None:
+    """Segment pages are charged to the daemon's cgroup: its room under memory.max counts."""
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    (proc / "cgroup").write_text("0::/system.slice/shmstaged.service\n")
+    group = cgroups / "system.slice" / "shmstaged.service"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text("1073741824\n")
+    (group / "memory.current").write_text("268435456\n")
+    assert cgroup_room(proc, cgroups) == 768 << 20
+    (group / "memory.max").write_text("max\n")
+    assert cgroup_room(proc, cgroups) is None
+    (proc / "cgroup").write_text("4:memory:/x\n")  # cgroup v1 only: no unified limit
+    assert cgroup_room(proc, cgroups) is None
+
+
 def test_an_explicit_file_that_is_missing_is_an_error_not_the_defaults(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read configuration"):
         load_config(tmp_path / "missing.toml")
@@ -308,6 +333,38 @@ def test_command_line_overrides_are_validated_like_the_file(tmp_path: Path) -> N
         base.replace(shm_budget="1PiB")
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--max-jobs", "x", "max_jobs"),
+        ("--writer-threads", "1.5", "writer_threads"),
+        ("--shutdown-timeout", "soon", "shutdown_timeout"),
+        ("--log-level", "loud", "log_level"),
+        ("--metrics-port", "99999", "metrics_port"),
+    ],
+)
+def test_a_bad_flag_value_exits_78_naming_the_setting(flag: str, value: str, named: str) -> None:
+    """As the README promises for any bad value: 78 (EX_CONFIG), not argparse's 2."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstage_daemon.main", flag, value, "--check-config"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 78, out.stderr
+    assert f"command line: {named} = " in out.stderr
+
+
+def test_help_documents_every_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstage_daemon.main", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )
+    flags = [a for a in build_parser()._actions if a.option_strings]
+    undocumented = [a.option_strings[0] for a in flags if not a.help]
+    assert undocumented == []
+    for action in flags:
+        assert action.option_strings[-1] in out.stdout
+
+
 def test_config_is_immutable() -> None:
     config = Config(shm_budget="1MiB")
     with pytest.raises(AttributeError):
@@ -333,26 +390,40 @@ def test_peer_admission_by_user_primary_and_supplementary_group() -> None:
     assert not allowlist_of(Config(shm_budget="1MiB")).admits(Peer(1, 1000, 1000, frozenset()))
 
 
-def test_supplementary_groups_are_read_from_proc() -> None:
+def test_supplementary_groups_come_from_the_socket_not_from_proc() -> None:
+    """SO_PEERGROUPS: the groups the peer had when it connected, whatever its pid names
+    later (a pid may be reused by another process with other groups)."""
     if os.geteuid() != 0:
-        pytest.skip("starting a process with chosen supplementary groups needs root")
-    peer = subprocess.Popen(
-        ["cat"],  # any process that waits; the venv's python may not be executable by nobody
-        stdin=subprocess.PIPE,
-        user=65534,
-        group=65534,
-        extra_groups=[5151, 6161],
+        pytest.skip("a peer with chosen supplementary groups needs root")
+    where = Path(tempfile.mkdtemp(prefix="shmstage-groups-", dir="/tmp"))
+    where.chmod(0o755)  # pytest's tmp_path is not reachable for uid 65534
+    path = where / "s.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    path.chmod(0o666)
+    listener.listen(1)
+    code = (
+        "import os, socket, sys; os.setgroups([5151, 6161]); os.setgid(65534); "
+        f"os.setuid(65534); s = socket.socket(socket.AF_UNIX); s.connect({str(path)!r}); "
+        "sys.stdin.read()"
     )
+    peer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     try:
-        groups = frozenset({65534, *supplementary_groups(peer.pid)})
-        assert groups >= {5151, 6161}
-        seen = Peer(peer.pid, 65534, 65534, groups)
+        listener.settimeout(30)
+        conn, _ = listener.accept()
+        seen = peer_of(conn)
+        assert (seen.uid, seen.gid, seen.pid) == (65534, 65534, peer.pid)
+        assert seen.groups == {65534, 5151, 6161}
         assert allowlist_of(Config(shm_budget="1MiB", allowed_groups=[6161])).admits(seen)
         assert not allowlist_of(Config(shm_budget="1MiB", allowed_groups=[7171])).admits(seen)
-    finally:
         peer.communicate(timeout=10)
-    # Gone: nothing to read, so only uid and primary gid count.
-    assert supplementary_groups(peer.pid) == []
+        assert peer_of(conn).groups == seen.groups  # gone: the socket still knows
+        conn.close()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        listener.close()
+        shutil.rmtree(where, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- the example
@@ -364,7 +435,7 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
     defaults = Config()
     table_keys = {
         "server": ["socket_path", "allowed_users", "allowed_groups", "shutdown_timeout",
-                   "metrics_port"],
+                   "metrics_port", "journal_dir", "allow_disk_journal"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "default_slots"],
         "storage": ["writer_threads", "fsync"],
@@ -382,6 +453,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
             field = f"log_{key}" if table == "log" else key
             if field == "allowed_users":
                 assert value == [] and defaults.allowed_users == {os.getuid(), 0}
+            elif isinstance(getattr(defaults, field), Path):
+                assert getattr(defaults, field) == Path(value), f"[{table}] {key}"
             else:
                 assert getattr(defaults, field) == value, f"[{table}] {key}"
 

@@ -101,12 +101,9 @@ def assert_not_published(path: Path) -> None:
     assert not path.exists() or published_files(path) == [], published_files(path)
 
 
-def journal_dir(sock: Path) -> Path:
-    return sock.with_name(sock.name + ".journal")
-
-
-def journal_entries(sock: Path) -> list[str]:
-    directory = journal_dir(sock)
+def journal_entries(daemon: RunningDaemon) -> list[str]:
+    """What the daemon's own journal holds (empty once it is removed)."""
+    directory = daemon.journal
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
@@ -228,6 +225,23 @@ def loop_ext4(where: Path, image: Path, size_mib: int = 32) -> Iterator[Path]:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
     with _mounted(["-o", "loop", str(image)], where, "a loop-mounted ext4") as mounted:
         yield mounted
+
+
+@contextlib.contextmanager
+def frozen(mountpoint: Path) -> Iterator[Path]:
+    """The filesystem at ``mountpoint`` stops answering writes and fsyncs (``fsfreeze``):
+    a real kernel freeze, the slowest disk there is, thawed on the way out whatever
+    happened."""
+    done = subprocess.run(
+        ["fsfreeze", "--freeze", str(mountpoint)], capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot freeze {mountpoint}: {done.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(mountpoint)], capture_output=True,
+                       timeout=60)
 
 
 @contextlib.contextmanager

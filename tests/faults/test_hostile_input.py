@@ -272,7 +272,7 @@ def test_the_daemon_runs_with_its_hard_descriptor_limit(daemons) -> None:
 
 
 def _journal(daemon) -> list[str]:  # type: ignore[no-untyped-def]
-    return sorted(os.listdir(daemon.socket.with_name(daemon.socket.name + ".journal")))
+    return sorted(os.listdir(daemon.journal))
 
 
 def test_a_commit_sent_ahead_of_its_copy_starts_nothing_until_ready(daemon, ckpt: Path) -> None:

@@ -154,23 +154,28 @@ def test_unusable_entries_are_dropped_on_load(tmp_path: Path, instance_id) -> No
 def test_reapers_hold_back_what_a_journal_owes(tmp_path: Path) -> None:
     """A dead instance whose lock names a journal with its entries keeps every segment from
     other reapers; the journal's owner reaps all but the segments it is finishing."""
-    dead = instance.InstanceLock.claim(journal=str(tmp_path / "j"))
+    dead = instance.InstanceLock.claim(journal_root=str(tmp_path), socket="/x.sock")
     owed = segment.create(dead.instance, 10)
     stray = segment.create(dead.instance, 10)
     os.close(dead.fd)  # the instance dies; its lock file stays
-    (tmp_path / "j").mkdir()
-    (tmp_path / "j" / f"{dead.instance}.1.job").touch()
+    journal_dir = Path(instance.journal_dir(str(tmp_path), dead.instance))
+    journal_dir.mkdir()
+    (journal_dir / f"{dead.instance}.1.job").touch()
     try:
         report = instance.reap(only_uid=os.geteuid())
         assert dead.instance in report.held
         assert sorted(segment.list_names(dead.instance)) == sorted([owed.name, stray.name])
-        instance.reap(only_uid=os.geteuid(), keep={owed.name}, own_journal=str(tmp_path / "j"))
+        assert instance.predecessors("/x.sock", os.geteuid()) == [
+            (dead.instance, str(journal_dir))
+        ]
+        instance.reap(only_uid=os.geteuid(), keep={owed.name}, own_journals={str(journal_dir)})
         assert segment.list_names(dead.instance) == [owed.name]
         assert os.path.exists(instance.lock_path(dead.instance))  # still names the journal
-        (tmp_path / "j" / f"{dead.instance}.1.job").unlink()
+        (journal_dir / f"{dead.instance}.1.job").unlink()
         instance.reap(only_uid=os.geteuid())
         assert segment.list_names(dead.instance) == []
         assert not os.path.exists(instance.lock_path(dead.instance))
+        assert not journal_dir.exists()  # the emptied journal went with the lock
     finally:
         for name in segment.list_names(dead.instance):
             segment.unlink(name)

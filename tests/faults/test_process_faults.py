@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from fault_helpers import (
     assert_checkpoint_equals,
     assert_not_published,
@@ -37,7 +38,7 @@ from fault_helpers import (
 from harness import wait_for
 from shmstage_client import SaveError, Stager
 
-from shmstage import checkpoint, segment
+from shmstage import checkpoint, names, segment
 from shmstage.manifest import MANIFEST_NAME
 
 PAUSE = "60"  # longer than any test waits: the SIGKILL, not the pause, ends the window
@@ -57,7 +58,7 @@ def test_a_trainer_killed_during_the_copy_leaves_nothing(daemons, tmp_path: Path
     # Its session ends, the slot it held is dropped, its segments are unlinked.
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
     # Its commit, sent ahead of the copy, was only journaled pending; that entry goes too.
-    wait_for(lambda: journal_entries(daemon.socket) == [], 10, "the pending entry to go")
+    wait_for(lambda: journal_entries(daemon) == [], 10, "the pending entry to go")
     # And the daemon, which had its descriptors, removed the pending directory and the
     # temporary files the trainer made for it (the trainer could not).
     wait_for(lambda: pending_dirs(tmp_path) == [], 10, "the dead save's pending directory")
@@ -85,7 +86,7 @@ def test_a_trainer_killed_after_commit_still_gets_its_checkpoint(
     assert_checkpoint_equals(tmp_path / "victim", make_state(2))  # not the -1s written after
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(2))
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
-    assert journal_entries(daemon.socket) == []
+    assert journal_entries(daemon) == []
 
 
 def test_a_trainer_killed_while_waiting_for_a_slot(daemons, tmp_path: Path) -> None:
@@ -171,13 +172,13 @@ def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path
     trainer = start_trainer(daemon.socket, tmp_path, "copy", 8)
     read_marker(trainer, "BASE")
     read_marker(trainer, "COPYING")  # the commit went out before the copy began
-    wait_for(lambda: journal_entries(daemon.socket), 10, "the commit to be journaled pending")
-    pending = journal_entries(daemon.socket)
+    wait_for(lambda: journal_entries(daemon), 10, "the commit to be journaled pending")
+    pending = journal_entries(daemon)
     # Written under its temporary name: not owed, and no reaper holds segments for it.
     assert len(pending) == 1 and pending[0].startswith(".") and pending[0].endswith(".tmp")
     daemon.kill()
     restarted = daemons()
-    assert journal_entries(restarted.socket) == []
+    assert journal_entries(restarted) == [] == journal_entries(daemon)
     assert instance_clean(daemon.instance)
     kill(trainer)
     assert_not_published(tmp_path / "victim")
@@ -203,7 +204,7 @@ def test_an_acknowledged_checkpoint_survives_a_daemon_sigkill(
     for tensor in state["layers"]:
         tensor.zero_()
     daemon.wait_log(f"fault: pausing at {point}")
-    assert len(journal_entries(daemon.socket)) == 1
+    assert len(journal_entries(daemon)) == 1
     victim = tmp_path / "victim"
     # A new directory is written as a hidden pending one, published only once complete.
     assert not victim.exists()
@@ -224,7 +225,7 @@ def test_an_acknowledged_checkpoint_survives_a_daemon_sigkill(
     assert_checkpoint_equals(victim, make_state(7))
     assert_checkpoint_equals(tmp_path / "earlier", single_tensor_state(7))
     wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
-    assert journal_entries(restarted.socket) == []
+    assert journal_entries(restarted) == [] == journal_entries(daemon)
     assert f"finished job 2 of instance {daemon.instance}" in restarted.log()
     assert not [p for p in victim.iterdir() if p.name.startswith(".")], "temporaries left"
     with Stager(restarted.socket) as fresh:  # a new Stager works against the new daemon
@@ -248,6 +249,44 @@ def test_a_stop_that_times_out_leaves_the_job_to_the_next_start(daemons, tmp_pat
     daemons()
     wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 30, "the checkpoint")
     assert_checkpoint_equals(tmp_path / "victim", make_state(9))
+    wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
+
+
+def big_state() -> dict:
+    """256 MiB in 4 tensors: writing and fsyncing it takes far longer than a 0 s timeout."""
+    return {
+        "layers": [torch.full((16 << 20,), float(i)) for i in range(4)],
+        "tail": torch.arange(1 << 16, dtype=torch.int64),
+    }
+
+
+def test_a_stop_past_its_timeout_keeps_the_checkpoint_for_the_next_start(
+    daemons, tmp_path: Path
+) -> None:
+    """The real path, no fault hook: SIGTERM while a real 256 MiB write runs and a shutdown
+    timeout of 0 s. The writer is told to stop and leaves its temporary files; the daemon
+    exits cleanly and keeps the segments and the journal entry; the next start on the same
+    socket publishes the checkpoint bit-exact."""
+    daemon = daemons("--shutdown-timeout", "0")
+    expected = big_state()
+    with Stager(daemon.socket) as stager:
+        stager.save(big_state(), tmp_path / "victim")  # acknowledged: the daemon owes it
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+        stager.close(timeout=1)
+    log = daemon.log()
+    assert "did not finish within 0 s; stopping their writers" in log, log
+    assert "stopped while writing" in log or "stopped before the checkpoint" in log, log
+    assert not (tmp_path / "victim").exists()  # a new directory: still pending
+    (pending,) = pending_dirs(tmp_path)  # the job's (close() removed the Stager's spare)
+    temps = [p.name for p in (tmp_path / pending).iterdir() if names.is_temp(p.name)]
+    assert len(temps) == 2, f"the job's temporary files were removed: {temps}"
+    assert daemon.segments(), "the owed job's segments were unlinked"
+    assert journal_entries(daemon), "the journal entry was dropped"
+    successor = daemons()
+    wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 60, "the checkpoint")
+    assert_checkpoint_equals(tmp_path / "victim", expected)
+    assert "finished job" in successor.log() or "after a restart" in successor.log()
     wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
 
 

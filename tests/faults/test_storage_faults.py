@@ -1,7 +1,8 @@
 """Storage faults on real filesystems: a full disk, a failing device, a directory removed or
 made read-only mid-stream, /dev/shm exhausted at registration, an unwritable journal.
 
-What is real and what is not: ENOSPC comes from a 2 MiB tmpfs; the device write error
+What is real and what is not: a disk that stops answering is a real ext4 frozen with
+``fsfreeze``; ENOSPC comes from a 2 MiB tmpfs; the device write error
 from ext4 on a loop device whose backing store runs out (the kernel fails the writes in
 the block layer and fsync reports it — as ENOSPC, which is how the loop driver passes the
 backing file's error up); EIO itself only through the daemon's test-only ``eio-write`` shim,
@@ -29,6 +30,7 @@ from fault_helpers import (
     NOBODY,
     admitting_nobody,
     assert_checkpoint_equals,
+    frozen,
     journal_entries,
     loop_ext4,
     make_state,
@@ -304,15 +306,15 @@ def test_dev_shm_full_at_registration(daemons, tmp_path: Path, when: str) -> Non
 def test_unwritable_journal_refuses_the_commit_and_hands_the_slot_back(
     daemons, tmp_path: Path
 ) -> None:
-    """The journal (next to the socket) on a full tmpfs: a commit that cannot be journaled
-    is refused before it is acknowledged, the slot goes back to the client, and saving
-    works again once there is room."""
+    """The journal on a full tmpfs (Docker's small /dev/shm): a commit that cannot be
+    journaled is refused before it is acknowledged — an error, not a hang — the slot goes
+    back to the client, and saving works again once there is room."""
     with small_tmpfs(tmp_path / "run", "256k") as run:
-        daemon = daemons(where=run)
+        daemon = daemons("--journal-dir", str(run), where=run)
         filler = run / "filler"
         with Stager(daemon.socket, slots=1) as stager:
             stager.save(single_tensor_state(14), tmp_path / "earlier").wait(60)
-            wait_for(lambda: journal_entries(daemon.socket) == [], 10, "the journal to empty")
+            wait_for(lambda: journal_entries(daemon) == [], 10, "the journal to empty")
             fill(filler)
             with pytest.raises(SaveError, match="cannot journal the checkpoint") as info:
                 stager.save(make_state(14), tmp_path / "victim")
@@ -323,3 +325,60 @@ def test_unwritable_journal_refuses_the_commit_and_hands_the_slot_back(
         assert_checkpoint_equals(tmp_path / "again", make_state(15))
         daemon.stop()
     assert NOBODY  # the constant is shared with the isolation tests
+
+
+def _save_in_thread(stager: Stager, state: dict, path: Path) -> tuple[threading.Thread, list]:
+    outcome: list = []
+
+    def save() -> None:
+        try:
+            outcome.append(stager.save(state, path))
+        except BaseException as exc:  # reported by the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_save_never_waits_for_the_disk_under_the_socket(daemons, tmp_path: Path) -> None:
+    """The container case: /run, where the socket lives, is on a disk, and that disk stops
+    answering (a real ext4, frozen). The journal lives in memory (/dev/shm), so save()
+    returns and its checkpoint (on another filesystem) becomes durable while the disk under
+    the socket is frozen solid. Nothing the trainer waits for touches it."""
+    with loop_ext4(tmp_path / "run", tmp_path / "run.img") as run:
+        daemon = daemons(socket=run / "shmstaged.sock")  # its log is not on that disk
+        assert "journal /dev/shm/shmstage." in daemon.log() and " on tmpfs" in daemon.log()
+        with Stager(daemon.socket, slots=2) as stager:
+            stager.save(make_state(1), tmp_path / "warm").wait(60)  # layout registered
+            with frozen(run):
+                thread, outcome = _save_in_thread(stager, make_state(2), tmp_path / "during")
+                thread.join(60)
+                assert not thread.is_alive(), "save() waited for the frozen disk"
+                [handle] = outcome
+                handle.wait(60)  # durable too: nothing of the job is on that disk
+    assert_checkpoint_equals(tmp_path / "during", make_state(2))
+
+
+def test_a_disk_journal_is_refused_unless_allowed_and_then_waits_for_the_disk(
+    daemons, tmp_path: Path
+) -> None:
+    """Why the default matters: with the journal on that same disk (allowed explicitly),
+    a save cannot return while the disk is frozen; it completes once the disk thaws."""
+    with loop_ext4(tmp_path / "run", tmp_path / "run.img") as run:
+        sock = run / "shmstaged.sock"
+        with pytest.raises(RuntimeError, match="is not memory-backed") as refused:
+            daemons("--journal-dir", str(run), socket=sock)
+        assert "allow_disk_journal" in str(refused.value)
+        daemon = daemons("--journal-dir", str(run), "--allow-disk-journal", socket=sock)
+        assert f"journal {run}/shmstage." in daemon.log() and "disk-backed" in daemon.log()
+        with Stager(daemon.socket, slots=2) as stager:
+            stager.save(make_state(1), tmp_path / "warm").wait(60)
+            with frozen(run):
+                thread, outcome = _save_in_thread(stager, make_state(3), tmp_path / "during")
+                thread.join(2)
+                assert thread.is_alive() and outcome == [], "the commit did not wait"
+            thread.join(60)  # thawed: the journal entry is written, save() returns
+            [handle] = outcome
+            handle.wait(60)
+    assert_checkpoint_equals(tmp_path / "during", make_state(3))

@@ -1,22 +1,43 @@
-"""Turning measurements into a table, a JSON file and a bar chart.
+"""Turning measurements into text, a JSON file and a chart — whatever the measurements were.
 
-Absolute seconds depend on the machine; what carries over is how far each method sits
-from the physical limits measured in the same run on the same bytes. So every row is
-also expressed as a ratio: stall ÷ raw pinned copy and durable ÷ raw write + fsync.
+Absolute seconds depend on the machine; what carries over is how far each row sits from the
+physical limits measured in the same run on the same bytes, so tables carry ratios beside
+the seconds. A report is a few tables (columns, rows, which columns to chart) plus the
+config, the environment and the daemon it talked to; every scenario fills the same shape,
+so one formatter and one chart drawer serve them all. Drawing never raises: the report is
+the bench's product, and a failed chart is a line in the output, not a lost run.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .peers import MethodResult
-from .synthetic import format_bytes
+
+@dataclass(frozen=True)
+class Column:
+    """``fmt``: a format spec for numbers, or "ms" (seconds shown in ms), "MiB" (bytes),
+    "x" (a ratio), "yes" (a bool) or "" (text)."""
+
+    key: str
+    header: str
+    fmt: str = ".3f"
+    width: int = 9
+
+
+@dataclass
+class Table:
+    name: str
+    title: str
+    columns: list[Column]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    chart: list[str] = field(default_factory=list)  # keys of second-valued columns
+    notes: list[str] = field(default_factory=list)
 
 
 def environment() -> dict[str, Any]:
@@ -25,113 +46,124 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "host": platform.node(),
+        "kernel": platform.release(),
         "cuda_available": torch.cuda.is_available(),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the parent never creates a CUDA context for this
         env["gpu"] = torch.cuda.get_device_name()
-    try:
-        from importlib.metadata import version
+    for dist in ("nvidia-resiliency-ext", "shmstage-client", "safetensors"):
+        try:
+            from importlib.metadata import version
 
-        env["nvidia_resiliency_ext"] = version("nvidia-resiliency-ext")
-    except Exception:
-        env["nvidia_resiliency_ext"] = None
+            env[dist.replace("-", "_")] = version(dist)
+        except Exception:
+            env[dist.replace("-", "_")] = None
     return env
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
 def build_report(
-    results: list[MethodResult], config: dict[str, Any], total_bytes: int
+    scenario: str,
+    config: dict[str, Any],
+    tables: list[Table],
+    *,
+    daemon: dict[str, Any] | None,
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON-able report: config, environment and one row per method."""
-    by_name = {r.name: r for r in results}
-    copy = by_name.get("raw-copy")
-    write = by_name.get("raw-write-fsync")
-    copy_s = copy.median("stall_s") if copy else None
-    write_s = write.median("durable_s") if write else None
-    rows = []
-    for r in results:
-        stall = r.median("stall_s")
-        durable = r.median("durable_s")
-        rows.append(
-            {
-                "method": r.name,
-                "kind": r.kind,
-                "description": r.description,
-                "status": r.status,
-                "note": r.note,
-                "error": r.error,
-                "traceback": r.traceback,
-                "repeats": len(r.samples),
-                "stall_s": stall,
-                "durable_s": durable,
-                "stall_gbps": total_bytes / stall / 1e9 if stall else None,
-                "durable_gbps": total_bytes / durable / 1e9 if durable else None,
-                "stall_vs_raw_copy": _ratio(stall, copy_s),
-                "durable_vs_raw_write": _ratio(durable, write_s),
-                "first_stall_s": r.first.stall_s if r.first else None,
-                "first_durable_s": r.first.durable_s if r.first else None,
-                "first": asdict(r.first) if r.first else None,
-                "samples": [asdict(s) for s in r.samples],
-            }
-        )
+    """The JSON-able report."""
     return {
+        "scenario": scenario,
         "config": config,
         "environment": environment(),
-        "limits": {"raw_copy_s": copy_s, "raw_write_fsync_s": write_s},
-        "rows": rows,
+        "daemon": daemon,
+        "notes": notes or [],
+        "tables": [
+            {
+                "name": t.name,
+                "title": t.title,
+                "columns": [asdict(c) for c in t.columns],
+                "chart": t.chart,
+                "notes": t.notes,
+                "rows": t.rows,
+            }
+            for t in tables
+        ],
     }
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """A fixed-width table for the terminal; errors and notes go underneath, untruncated."""
-    cfg = report["config"]
-    env = report["environment"]
-    head = (
-        f"shmstage-bench: {format_bytes(cfg['total_bytes'])} in {cfg['tensors']} {cfg['dtype']} "
-        f"tensors on {cfg['device']}"
-        + (f" ({env['gpu']})" if env.get("gpu") else "")
-        + f", torch {env['torch']}, median of {cfg['repeats']} after a first save"
+def table(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """One table of a report by name."""
+    for t in report["tables"]:
+        if t["name"] == name:
+            return t
+    raise KeyError(
+        f"no table {name!r} in the report (have {[t['name'] for t in report['tables']]})"
     )
-    cols = [
-        ("method", "<", 18),
-        ("status", "<", 7),
-        ("stall s", ">", 9),
-        ("durable s", ">", 9),
-        ("GB/s", ">", 7),
-        ("÷copy", ">", 7),
-        ("÷write", ">", 7),
-        ("1st stall", ">", 9),
-        ("1st dur.", ">", 9),
-    ]
-    lines = [head, "  ".join(f"{name:{align}{w}}" for name, align, w in cols)]
-    lines.append("-" * len(lines[-1]))
-    remarks = []
-    for row in report["rows"]:
-        cells = [
-            row["method"],
-            row["status"],
-            _fmt(row["stall_s"], ".3f"),
-            _fmt(row["durable_s"], ".3f"),
-            _fmt(row["stall_gbps"], ".2f"),
-            _fmt(row["stall_vs_raw_copy"], ".2f"),
-            _fmt(row["durable_vs_raw_write"], ".2f"),
-            _fmt(row["first_stall_s"], ".3f"),
-            _fmt(row["first_durable_s"], ".3f"),
-        ]
-        lines.append("  ".join(f"{c:{a}{w}}" for c, (_, a, w) in zip(cells, cols, strict=True)))
-        for label in ("error", "note"):
-            if row[label]:
-                remarks.append(f"  {row['method']}: {label}: {row[label]}")
-    if remarks:
+
+
+def rows_by_name(report: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in table(report, name)["rows"]}
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "":
+        return str(value)
+    if fmt == "yes":
+        return "yes" if value else "NO"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if fmt == "ms":
+        return f"{value * 1e3:.1f}"
+    if fmt == "MiB":
+        return f"{value / (1 << 20):.0f}"
+    if fmt == "x":
+        return f"{value:.2f}"
+    return format(value, fmt)
+
+
+def _header(report: dict[str, Any]) -> str:
+    cfg, env = report["config"], report["environment"]
+    what = cfg.get("what") or ""
+    gpu = f" ({env['gpu']})" if env.get("gpu") else ""
+    return (
+        f"shmstage-bench --scenario {report['scenario']}: {what}; {cfg.get('device', '?')}"
+        f"{gpu}, torch {env['torch']}"
+    )
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """Fixed-width tables for the terminal; errors and notes underneath, untruncated."""
+    lines = [_header(report)]
+    daemon = report.get("daemon") or {}
+    if daemon.get("description"):
+        lines.append(daemon["description"])
+    for t in report["tables"]:
+        cols = [Column(**c) for c in t["columns"]]
+        lines += ["", t["title"]]
+        first = max(len(r["name"]) for r in t["rows"]) if t["rows"] else 8
+        first = max(first, 6)
+        head = f"{'':<{first}}  " + "  ".join(f"{c.header:>{c.width}}" for c in cols)
+        lines += [head, "-" * len(head)]
+        remarks = []
+        for r in t["rows"]:
+            cells = [_cell(r.get(c.key), c.fmt) for c in cols]
+            lines.append(
+                f"{r['name']:<{first}}  "
+                + "  ".join(f"{cell:>{c.width}}" for cell, c in zip(cells, cols, strict=True))
+            )
+            for label in ("error", "note"):
+                if r.get(label):
+                    remarks.append(f"  {r['name']}: {label}: {r[label]}")
+        lines += remarks
+        lines += [f"  {n}" for n in t["notes"]]
+    if report.get("notes"):
         lines.append("")
-        lines.extend(remarks)
+        lines += report["notes"]
     return "\n".join(lines)
 
 
@@ -139,14 +171,14 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
     """Write the report; the parent directory is created if needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
 def write_png(report: dict[str, Any], path: str | Path) -> str:
-    """Grouped bars (stall, durable) per method on a log axis; returns a line for the log.
+    """One horizontal bar chart per table that has charted columns; returns a line for the log.
 
     matplotlib is an optional extra (``shmstage-client[bench]``): without it the chart is
-    skipped with one line rather than failing a run whose table and JSON are fine.
+    skipped with one line rather than failing a run whose text and JSON are fine.
     """
     try:
         import matplotlib
@@ -155,39 +187,50 @@ def write_png(report: dict[str, Any], path: str | Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not installed: PNG chart skipped (pip install 'shmstage-client[bench]')"
+    try:
+        charted = [t for t in report["tables"] if t["chart"] and t["rows"]]
+        if not charted:
+            return "nothing to chart: PNG skipped"
+        heights = [0.45 * len(t["rows"]) * max(1, len(t["chart"])) ** 0.5 + 1.4 for t in charted]
+        fig, axes = plt.subplots(
+            len(charted), 1, figsize=(11, sum(heights)), gridspec_kw={"height_ratios": heights}
+        )
+        axes = [axes] if len(charted) == 1 else list(axes)
+        for ax, t in zip(axes, charted, strict=True):
+            _draw(ax, t)
+        fig.suptitle(_header(report), fontsize=9)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return f"chart written to {path}"
+    except Exception as exc:  # the text and JSON are already out; say why no chart
+        return f"PNG chart failed: {type(exc).__name__}: {exc}"
 
-    rows = report["rows"]
-    names = [r["method"] for r in rows]
-    ys = list(range(len(rows)))
-    height = 0.38
-    fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 1.8))
-    stall = [r["stall_s"] or 0 for r in rows]
-    durable = [r["durable_s"] or 0 for r in rows]
-    ax.barh([y - height / 2 for y in ys], stall, height, label="stall (s)", color="#d62728")
-    ax.barh([y + height / 2 for y in ys], durable, height, label="durable (s)", color="#1f77b4")
-    positive = [v for v in stall + durable if v > 0]
+
+_COLORS = ["#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+
+
+def _draw(ax: Any, t: dict[str, Any]) -> None:
+    """Grouped bars of the charted second-valued columns, on a log axis."""
+    rows, keys = t["rows"], t["chart"]
+    headers = {c["key"]: c["header"] for c in t["columns"]}
+    height = 0.8 / len(keys)
+    values = [[r.get(k) or 0 for r in rows] for k in keys]
+    for i, (key, vals) in enumerate(zip(keys, values, strict=True)):
+        ys = [y - 0.4 + height * (i + 0.5) for y in range(len(rows))]
+        ax.barh(ys, vals, height, label=f"{headers.get(key, key)}", color=_COLORS[i % 6])
+    positive = [v for vals in values for v in vals if isinstance(v, int | float) and v > 0]
     if positive:
         ax.set_xscale("log")
         ax.set_xlim(min(positive) / 2, max(positive) * 4)
-    for y, r in zip(ys, rows, strict=True):
-        if r["status"] != "ok":
+    for y, r in enumerate(rows):
+        if r.get("status", "ok") != "ok":
             left = min(positive) / 1.9 if positive else 0
             ax.text(left, y, f"  {r['status']}", va="center", fontsize=8, color="gray")
-    ax.set_yticks(ys, names)
+    ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=8)
     ax.invert_yaxis()
-    cfg = report["config"]
-    env = report["environment"]
-    ax.set_title(
-        f"{format_bytes(cfg['total_bytes'])}, {cfg['tensors']} {cfg['dtype']} tensors, "
-        f"{cfg['device']}{' ' + env['gpu'] if env.get('gpu') else ''}, torch {env['torch']}"
-        f" — median of {cfg['repeats']}",
-        fontsize=9,
-    )
-    ax.set_xlabel("seconds (log scale; lower is better)")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"chart written to {path}"
+    ax.set_title(t["title"], fontsize=9)
+    ax.set_xlabel("seconds (log scale; lower is better)", fontsize=8)
+    ax.legend(loc="lower right", fontsize=7)

@@ -126,7 +126,7 @@ def tensor_sizes(
 
 @dataclass(frozen=True)
 class SyntheticSpec:
-    """What was built, for the report header and the JSON."""
+    """What to build: every process that builds it gets the very same bytes."""
 
     total_bytes: int
     tensors: int
@@ -135,6 +135,29 @@ class SyntheticSpec:
     dtype: str
     device: str
     seed: int
+
+    def build(self) -> dict[str, torch.Tensor]:
+        return build_state_dict(
+            self.total_bytes,
+            self.tensors,
+            self.min_tensor_bytes,
+            self.max_tensor_bytes,
+            dtype=resolve_dtype(self.dtype),
+            device=self.device,
+            seed=self.seed,
+        )
+
+    def sizes(self) -> list[int]:
+        """The tensors' byte sizes, without building anything."""
+        itemsize = torch.empty((), dtype=resolve_dtype(self.dtype)).element_size()
+        return tensor_sizes(
+            self.total_bytes,
+            self.tensors,
+            self.min_tensor_bytes,
+            self.max_tensor_bytes,
+            self.seed,
+            align=max(ALIGN, itemsize),
+        )
 
 
 def build_state_dict(

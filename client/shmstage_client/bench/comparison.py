@@ -1,0 +1,232 @@
+"""Scenario ``peers``: shmstage side by side with its peers and the physical limits.
+
+Every method checkpoints the same synthetic state dict (rebuilt from the same seed in its
+own process) into the same filesystem, one after the other, so that the only thing that
+differs between rows is the method. A method that fails, crashes, hangs or is not
+installed is a row saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+from dataclasses import replace
+from typing import Any
+
+from .method import BenchContext, MethodResult
+from .peers import MethodJob, available_methods, run_method
+from .report import Column, Table, ratio
+from .session import BenchSession
+from .synthetic import SyntheticSpec, format_bytes
+
+#: A method whose process holds this many more descriptors at its end than at its start
+#: is reported as leaking (a peer's worker pipes and shared-memory handles are a few).
+LEAK_THRESHOLD = 64
+
+
+def synthetic_spec(args: argparse.Namespace) -> SyntheticSpec:
+    return SyntheticSpec(
+        total_bytes=args.total_bytes,
+        tensors=args.tensors,
+        min_tensor_bytes=args.min_tensor_bytes,
+        max_tensor_bytes=args.max_tensor_bytes,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+def synthetic_config(args: argparse.Namespace, spec: SyntheticSpec) -> dict[str, Any]:
+    sizes = spec.sizes()
+    return {
+        "what": f"{format_bytes(spec.total_bytes)} in {spec.tensors} {spec.dtype} tensors",
+        "total_bytes": spec.total_bytes,
+        "tensors": spec.tensors,
+        "min_tensor_bytes": spec.min_tensor_bytes,
+        "max_tensor_bytes": spec.max_tensor_bytes,
+        "smallest_tensor_bytes": min(sizes),
+        "largest_tensor_bytes": max(sizes),
+        "dtype": spec.dtype,
+        "device": spec.device,
+        "seed": spec.seed,
+        "slots": args.slots,
+    }
+
+
+def _method_timeout(args: argparse.Namespace) -> float:
+    """The parent's deadline for one method's process: setup plus every save's own limit."""
+    if args.method_timeout is not None:
+        return args.method_timeout
+    return 300.0 + (args.repeats + 1) * args.save_timeout
+
+
+def _failed(cls: Any, error: str, traceback: str = "") -> MethodResult:
+    return MethodResult(
+        cls.name, cls.kind, cls.description, status="error", error=error, traceback=traceback
+    )
+
+
+def _leak(res: MethodResult) -> str:
+    """What the method's process was left holding, when that looks like a leak."""
+    if res.fds_after == -1:
+        return "no descriptor left at its end (EMFILE): it leaked them all"
+    if res.fds_before is None or res.fds_after is None:
+        return ""
+    leaked = res.fds_after - res.fds_before
+    return f"leaked {leaked} descriptors" if leaked >= LEAK_THRESHOLD else ""
+
+
+def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
+    args = session.args
+    spec = synthetic_spec(args)
+    methods = available_methods()
+    ctx = BenchContext(
+        device=args.torch_device,
+        root=session.root,
+        socket=session.socket,
+        slots=args.slots,
+        direct_threads=args.direct_threads,
+        direct_chunk=args.direct_chunk,
+    )
+    results: list[MethodResult] = []
+    for name in args.methods:
+        cls = methods[name]
+        if cls.kind == "shmstage" and not session.socket:
+            results.append(_failed(cls, session.daemon_error or "no shmstaged"))
+            continue
+        root = session.root / name
+        job = MethodJob(name, spec, replace(ctx, root=root), args.repeats, args.save_timeout)
+        outcome = session.run(name, run_method, (job,), _method_timeout(args))
+        shutil.rmtree(root, ignore_errors=True)  # also what a killed process left behind
+        if outcome.ok:
+            res = outcome.value
+        else:
+            res = _failed(cls, outcome.error, outcome.traceback or outcome.log_tail[-1500:])
+        leak = _leak(res)
+        if leak:
+            res.note = "; ".join(filter(None, [res.note, leak]))
+        results.append(res)
+    config = synthetic_config(args, spec) | {
+        "repeats": args.repeats,
+        "dir": str(session.root),
+        "methods": list(args.methods),
+        "direct_threads": args.direct_threads,
+        "direct_chunk": args.direct_chunk,
+    }
+    config["what"] += f", median of {args.repeats} after a first save"
+    notes = [
+        "stall: until the caller may modify its tensors again; durable: until fsynced.",
+        "÷write: durable ÷ buffered raw write + fsync; ÷direct: durable ÷ the disk limit "
+        "(aligned O_DIRECT parallel writes + fsync), same bytes, same run, same filesystem.",
+        "dirty MiB: peak Dirty+Writeback (/proc/meminfo, every 20 ms) during the save; cache Δ: "
+        "file page cache (Cached − Shmem) grown by the time it was durable (first save excluded).",
+    ]
+    return config, [methods_table(results, spec.total_bytes), trainer_table(results)], notes
+
+
+def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
+    by_name = {r.name: r for r in results}
+
+    def limit(name: str, attr: str) -> float | None:
+        r = by_name.get(name)
+        return r.median(attr) if r else None
+
+    copy_s = limit("raw-copy", "stall_s")
+    write_s = limit("raw-write-fsync", "durable_s")
+    direct_s = limit("disk-limit-direct", "durable_s")
+    rows = []
+    for r in results:
+        stall, durable = r.median("stall_s"), r.median("durable_s")
+        rows.append(
+            {
+                "name": r.name,
+                "kind": r.kind,
+                "description": r.description,
+                "status": r.status,
+                "note": r.note,
+                "error": r.error,
+                "traceback": r.traceback,
+                "repeats": len(r.samples),
+                "stall_s": stall,
+                "durable_s": durable,
+                "stall_gbps": total_bytes / stall / 1e9 if stall else None,
+                "durable_gbps": total_bytes / durable / 1e9 if durable else None,
+                "stall_vs_raw_copy": ratio(stall, copy_s),
+                "durable_vs_raw_write": ratio(durable, write_s),
+                "durable_vs_direct": ratio(durable, direct_s),
+                "first_stall_s": r.first.stall_s if r.first else None,
+                "first_durable_s": r.first.durable_s if r.first else None,
+                "dirty_writeback_peak_bytes": r.max_detail("dirty_writeback_peak_bytes"),
+                "file_cache_delta_bytes": r.median_detail("file_cache_delta_bytes"),
+                "fds_before": r.fds_before,
+                "fds_after": r.fds_after,
+                "first": vars(r.first) if r.first else None,
+                "samples": [vars(s) for s in r.samples],
+            }
+        )
+    return Table(
+        name="methods",
+        title="Checkpoint methods (median of the repeats; first save apart)",
+        columns=[
+            Column("status", "status", "", 7),
+            Column("stall_s", "stall s"),
+            Column("durable_s", "durable s"),
+            Column("stall_gbps", "GB/s", ".2f", 6),
+            Column("stall_vs_raw_copy", "÷copy", "x", 6),
+            Column("durable_vs_raw_write", "÷write", "x", 6),
+            Column("durable_vs_direct", "÷direct", "x", 7),
+            Column("first_stall_s", "1st stall"),
+            Column("first_durable_s", "1st dur."),
+            Column("dirty_writeback_peak_bytes", "dirty MiB", "MiB", 9),
+            Column("file_cache_delta_bytes", "cache Δ MiB", "MiB", 11),
+        ],
+        rows=rows,
+        chart=["stall_s", "durable_s"],
+    )
+
+
+def trainer_table(results: list[MethodResult]) -> Table:
+    """The fixed compute step, idle and while shmstaged persists (from ``shmstage-busy``)."""
+    busy = next((r for r in results if r.name == "shmstage-busy"), None)
+    table = Table(
+        name="trainer",
+        title="Trainer step (fixed compute loop) while shmstaged persists, against idle",
+        columns=[
+            Column("status", "status", "", 7),
+            Column("step_s", "step ms", "ms", 8),
+            Column("steps", "steps", "d", 6),
+            Column("vs_idle", "÷idle", "x", 6),
+        ],
+    )
+    if busy is None:
+        table.notes.append("shmstage-busy not selected: no trainer measurement")
+        return table
+    idle = [s.detail["idle_step_s"] for s in busy.samples if s.detail.get("idle_step_s")]
+    during = [s.detail["busy_step_s"] for s in busy.samples if s.detail.get("busy_step_s")]
+    steps = sum(s.detail.get("busy_steps", 0) for s in busy.samples)
+    idle_s = statistics.median(idle) if idle else None
+    during_s = statistics.median(during) if during else None
+    status = "ok" if busy.status == "ok" else busy.status
+    table.rows = [
+        {
+            "name": "idle (nothing in flight)",
+            "status": status,
+            "step_s": idle_s,
+            "steps": None,
+            "vs_idle": 1.0 if idle_s else None,
+            "error": busy.error,
+        },
+        {
+            "name": "while shmstaged persists",
+            "status": status,
+            "step_s": during_s,
+            "steps": steps,
+            "vs_idle": ratio(during_s, idle_s),
+        },
+    ]
+    if busy.status == "ok" and not during:
+        table.notes.append("every persist ended before one step did: no step overlapped it")
+    if busy.note:
+        table.notes.append(busy.note)
+    return table

@@ -1,0 +1,324 @@
+"""Scenario ``restore``: how fast a restarted trainer gets its state back onto the device.
+
+Rows, all on the same bytes in the same run: the raw pinned host-to-device copy (the
+limit), the disk's read limit (aligned O_DIRECT parallel reads of the checkpoint's files),
+``load(path, device=...)`` from the files with a cold page cache and with a warm one, from
+the daemon's memory where the client can (issue 15), and the restart itself: a trainer
+process saves, its checkpoint is acknowledged and durable, it is SIGKILLed, and a new
+process restores it to the device — timed, and compared bit for bit with the state.
+
+Issue 15's API does not exist yet; the bench probes for it (a ``source=`` keyword of
+``load`` or a ``shmstage_client.latest`` function) and reports "not supported by this
+client" otherwise. When it lands, check that ``_memory_restorer`` calls it as built.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .comparison import synthetic_config, synthetic_spec
+from .direct_io import DirectIOUnsupported, drop_file_cache, read_direct
+from .isolation import describe_exception, tell_parent
+from .limits import PinnedMirror
+from .method import synchronize
+from .peers import import_stager
+from .report import Column, Table, ratio
+from .saves import first_difference
+from .session import BenchSession
+from .synthetic import SyntheticSpec
+
+UNSUPPORTED = "not supported by this client"
+
+
+@dataclass(frozen=True)
+class RestoreJob:
+    spec: SyntheticSpec
+    socket: str
+    root: Path
+    slots: int
+    drop: str  # "auto", "fadvise" or "none"
+    direct_threads: int
+    direct_chunk: int
+    wait_timeout: float
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "checkpoint"
+
+
+def _load_params() -> Mapping[str, inspect.Parameter]:
+    from shmstage_client import load
+
+    return inspect.signature(load).parameters
+
+
+def _files_kwargs() -> dict[str, Any]:
+    """Force the files where ``load`` can also read from the daemon's memory."""
+    return {"source": "files"} if "source" in _load_params() else {}
+
+
+def _memory_restorer() -> tuple[Callable[[Path, torch.device], Any] | None, str]:
+    """Issue 15's restore from the daemon's memory, if this client has it; else why not."""
+    import shmstage_client
+
+    if "source" in _load_params():
+        return (
+            lambda path, device: shmstage_client.load(path, device=device, source="memory"),
+            "load(path, device=..., source='memory')",
+        )
+    latest = getattr(shmstage_client, "latest", None)
+    if callable(latest):
+        return lambda path, device: latest(device=device), "latest(device=...)"
+    return None, (
+        f"{UNSUPPORTED}: neither load(..., source=) nor shmstage_client.latest (issue 15)"
+    )
+
+
+def _state_of(restored: Any) -> Any:
+    """The state dict inside whatever a restore returned (a mapping, or a result object)."""
+    if isinstance(restored, Mapping):
+        return restored
+    for attr in ("state_dict", "state"):
+        inner = getattr(restored, attr, None)
+        if isinstance(inner, Mapping):
+            return inner
+    return restored
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def _drop(job: RestoreJob, files: list[Path]) -> str:
+    if job.drop == "none":
+        return "page cache not dropped (--drop-caches none)"
+    return drop_file_cache(files, system_wide=job.drop == "auto" and os.geteuid() == 0)
+
+
+def _restore_row(
+    seconds: float, restored: Any, expected: Any, note: str, source: str
+) -> dict[str, Any]:
+    """A restore's row; ``source``: where the bench asked for it ("files"), or "unknown"
+    when the restore may fall back silently and its result does not say."""
+    state = _state_of(restored)
+    mismatch = first_difference(state, expected)
+    return {
+        "status": "ok",
+        "seconds": seconds,
+        "bit_exact": not mismatch,
+        "note": "; ".join(filter(None, [note, mismatch])),
+        "source": getattr(restored, "source", None) or source,
+    }
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file())
+
+
+def measure(job: RestoreJob) -> dict[str, dict[str, Any]]:
+    """In its own process: save once, then every restore path from limit to memory."""
+    from shmstage_client import load
+
+    device = torch.device(job.spec.device)
+    state = job.spec.build()
+    tensors = list(state.values())
+    rows: dict[str, dict[str, Any]] = {}
+    job.root.mkdir(parents=True, exist_ok=True)
+    with import_stager()(socket=job.socket, slots=job.slots) as stager:
+        stager.save(state, str(job.checkpoint)).wait(timeout=job.wait_timeout)
+        files = _files(job.checkpoint)
+
+        mirror = PinnedMirror(tensors, pin=device.type == "cuda")
+        mirror.copy_from(tensors, device)
+        targets = [torch.empty_like(t) for t in tensors]
+        h2d = [mirror.copy_to(targets, device) for _ in range(3)]
+        del targets
+        mirror.close()
+        rows["raw-h2d"] = {
+            "status": "ok",
+            "seconds": statistics.median(h2d),
+            "samples": h2d,
+            "note": "" if device.type == "cuda" else "no CUDA: host-to-host",
+        }
+
+        try:
+            seconds, _ = _timed(
+                lambda: read_direct(files, threads=job.direct_threads, chunk=job.direct_chunk),
+                device,
+            )
+            rows["disk-read-direct"] = {"status": "ok", "seconds": seconds}
+        except DirectIOUnsupported as exc:
+            rows["disk-read-direct"] = {"status": "skipped", "note": str(exc.strerror)}
+
+        how = _drop(job, files)
+        kwargs = _files_kwargs()
+        for name, note in (("load-cold", how), ("load-warm", "right after the cold load")):
+            seconds, out = _timed(lambda: load(job.checkpoint, device=device, **kwargs), device)
+            rows[name] = _restore_row(seconds, out, state, note, "files")
+            del out
+
+        restorer, how_memory = _memory_restorer()
+        if restorer is None:
+            rows["load-memory"] = {"status": "error", "error": how_memory}
+        else:
+            try:
+                seconds, out = _timed(lambda: restorer(job.checkpoint, device), device)
+                rows["load-memory"] = _restore_row(seconds, out, state, how_memory, "unknown")
+                del out
+            except Exception as exc:
+                rows["load-memory"] = {"status": "error", "error": describe_exception(exc)}
+    shutil.rmtree(job.checkpoint, ignore_errors=True)
+    return rows
+
+
+def restart_trainer(job: RestoreJob) -> None:
+    """The trainer that will be killed: save, report acknowledged and durable, then wait."""
+    state = job.spec.build()
+    job.root.mkdir(parents=True, exist_ok=True)
+    stager = import_stager()(socket=job.socket, slots=job.slots)
+    t0 = time.perf_counter()
+    handle = stager.save(state, str(job.checkpoint))
+    tell_parent({"event": "acknowledged", "stall_s": time.perf_counter() - t0})
+    handle.wait(timeout=job.wait_timeout)
+    tell_parent({"event": "durable", "durable_s": time.perf_counter() - t0})
+    time.sleep(600)  # until SIGKILLed: the parent's deadline ends this either way
+
+
+def restart_restore(job: RestoreJob) -> dict[str, Any]:
+    """The new process: restore the killed trainer's checkpoint to the device, check it."""
+    from shmstage_client import load
+
+    device = torch.device(job.spec.device)
+    if device.type == "cuda":
+        torch.cuda.init()  # the CUDA context is any restart's cost, not the restore's
+        torch.empty(1, device=device)
+    restorer, how = _memory_restorer()
+    if restorer is not None:
+        seconds, out = _timed(lambda: restorer(job.checkpoint, device), device)
+        via, source = how, "unknown"
+    else:
+        via = f"{_drop(job, _files(job.checkpoint))} ({how})"
+        kwargs = _files_kwargs()
+        seconds, out = _timed(lambda: load(job.checkpoint, device=device, **kwargs), device)
+        source = "files"
+    return _restore_row(seconds, out, job.spec.build(), via, source)
+
+
+def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, Any]:
+    """Trainer saves and is SIGKILLed once durable; a new process restores."""
+    try:
+        child = session.child("restart-trainer", restart_trainer, (job,))
+    except Exception as exc:
+        return {"status": "error", "error": f"trainer not started: {describe_exception(exc)}"}
+    try:
+        acknowledged = child.next_message(session.part_timeout(timeout))
+        durable = child.next_message(session.part_timeout(timeout))
+        child.kill()  # SIGKILL, no handler runs: what an OOM kill or a NCCL abort does
+        session.log("restart-trainer: SIGKILLed after its checkpoint was durable")
+    except RuntimeError as exc:
+        child.kill()
+        return {"status": "error", "error": f"trainer: {exc}", "traceback": child.follower.text()}
+    finally:
+        child.close()
+    outcome = session.run("restart-restore", restart_restore, (job,), timeout)
+    if not outcome.ok:
+        return {
+            "status": "error",
+            "error": f"restore: {outcome.error}",
+            "traceback": outcome.traceback or outcome.log_tail,
+        }
+    row = outcome.value
+    row["trainer_stall_s"] = acknowledged.get("stall_s")
+    row["trainer_durable_s"] = durable.get("durable_s")
+    return row
+
+
+ROW_NAMES = {
+    "raw-h2d": "raw pinned host-to-device copy (limit)",
+    "disk-read-direct": "disk read limit (O_DIRECT)",
+    "load-cold": "load() from files, cold cache",
+    "load-warm": "load() from files, warm cache",
+    "load-memory": "load() from daemon memory",
+    "restart": "restart: restore after SIGKILL",
+}
+
+
+def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
+    args = session.args
+    spec = synthetic_spec(args)
+    config = synthetic_config(args, spec) | {"drop_caches": args.drop_caches}
+    table = Table(
+        "restore",
+        "Restore to the device",
+        [
+            Column("status", "status", "", 7),
+            Column("seconds", "s"),
+            Column("gbps", "GB/s", ".2f", 6),
+            Column("vs_h2d", "÷h2d", "x", 6),
+            Column("vs_disk", "÷disk", "x", 6),
+            Column("vs_cold", "÷cold", "x", 6),
+            Column("bit_exact", "exact", "yes", 5),
+            Column("source", "source", "", 8),
+        ],
+        chart=["seconds"],
+    )
+    rows: dict[str, dict[str, Any]] = {}
+    if not session.socket:
+        rows = {key: {"status": "error", "error": session.daemon_error} for key in ROW_NAMES}
+    else:
+        job = RestoreJob(
+            spec,
+            session.socket,
+            session.root / "restore",
+            args.slots,
+            args.drop_caches,
+            args.direct_threads,
+            args.direct_chunk,
+            args.save_timeout,
+        )
+        outcome = session.run("restore", measure, (job,), args.part_timeout)
+        if outcome.ok:
+            rows.update(outcome.value)
+        else:
+            error = {
+                "status": "error",
+                "error": outcome.error,
+                "traceback": outcome.traceback or outcome.log_tail,
+            }
+            rows.update({k: dict(error) for k in ROW_NAMES if k != "restart"})
+        shutil.rmtree(job.root, ignore_errors=True)
+        restart = replace(job, root=session.root / "restart")
+        rows["restart"] = _restart(session, restart, args.part_timeout)
+        shutil.rmtree(session.root / "restart", ignore_errors=True)
+    h2d = rows.get("raw-h2d", {}).get("seconds")
+    disk = rows.get("disk-read-direct", {}).get("seconds")
+    cold = rows.get("load-cold", {}).get("seconds")
+    for key, label in ROW_NAMES.items():
+        row = {"name": label, **rows.get(key, {"status": "error", "error": "not measured"})}
+        seconds = row.get("seconds")
+        row.update(
+            gbps=spec.total_bytes / seconds / 1e9 if seconds else None,
+            vs_h2d=ratio(seconds, h2d),
+            vs_disk=ratio(seconds, disk) if key != "raw-h2d" else None,
+            vs_cold=ratio(seconds, cold) if key not in ("raw-h2d", "disk-read-direct") else None,
+        )
+        table.rows.append(row)
+    notes = [
+        "÷h2d: ÷ the raw pinned host-to-device copy; ÷disk: ÷ the O_DIRECT read of the "
+        "checkpoint's files; ÷cold: ÷ load() from the files with a cold page cache.",
+    ]
+    return config, [table], notes
