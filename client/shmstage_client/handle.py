@@ -89,11 +89,6 @@ class Clock:
         self._parts[key] = self._parts.get(key, 0.0) + now - self._since
         self._since = now
 
-    def charge(self, part: str, seconds: float) -> None:
-        """Move ``seconds`` of the last lap to ``part`` (a slot wait inside the setup)."""
-        key = f"{part}_seconds"
-        self._parts[key] = self._parts.get(key, 0.0) + seconds
-
     def timings(self) -> SaveTimings:
         return SaveTimings(stall_seconds=time.perf_counter() - self.started, **self._parts)
 
