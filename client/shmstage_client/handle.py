@@ -239,7 +239,9 @@ class SaveHandle:
         except DaemonLost as exc:
             self._error = DaemonLost(
                 f"checkpoint {self.path} has no confirmed result: {exc}. It may be incomplete "
-                "(`shmstage ls` shows it as partial); this Stager reconnects on its next save"
+                "(`shmstage verify` tells: a new directory appears only once complete, and a "
+                "restarted shmstaged finishes what it acknowledged); this Stager reconnects on "
+                "its next save"
             )
         except SaveError as exc:
             self._error = exc
