@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmstage.paths import default_socket_path
+from shmstage.paths import connect_problem, default_socket_path
 from shmstage.protocol import PROTOCOL_VERSION, Connection, Frame, ProtocolError, Role
 
 __all__ = ["ControlClient", "ControlError"]
@@ -37,17 +37,7 @@ class ControlClient:
             self._sock.connect(str(self.path))
         except OSError as exc:
             self._sock.close()
-            hint = {
-                FileNotFoundError: "is shmstaged running? (systemctl status shmstaged; or pass "
-                "--socket / set SHMSTAGE_SOCKET)",
-                ConnectionRefusedError: "the daemon that created it is gone; start shmstaged",
-                PermissionError: "add this user to the shmstage group (usermod -aG shmstage "
-                "$USER, then log in again)",
-            }.get(type(exc), "")
-            raise ControlError(
-                f"cannot connect to shmstaged at {self.path}: {exc.strerror or exc}"
-                + (f" — {hint}" if hint else "")
-            ) from None
+            raise ControlError(connect_problem(self.path, exc)) from None
         welcome = self.request(
             "hello",
             {"version": PROTOCOL_VERSION, "client": "shmstage-cli", "pid": os.getpid()},

@@ -9,11 +9,20 @@ per-user path that other users cannot squat on.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ENV_SOCKET", "SOCKET_NAME", "SYSTEM_SOCKET", "default_socket_path"]
+__all__ = [
+    "ENV_SOCKET",
+    "SOCKET_NAME",
+    "SYSTEM_SOCKET",
+    "connect_problem",
+    "default_socket_path",
+    "file_kind",
+]
 
 ENV_SOCKET = "SHMSTAGE_SOCKET"
 SOCKET_NAME = "shmstaged.sock"
@@ -50,3 +59,61 @@ def default_socket_path(
     if runtime_dir and os.path.isabs(runtime_dir):
         return Path(runtime_dir) / "shmstage" / SOCKET_NAME
     return Path(f"/tmp/shmstage-{uid}") / SOCKET_NAME
+
+
+def connect_problem(path: Path, exc: OSError) -> str:
+    """Why connecting to the daemon's socket at ``path`` failed, and what to do, in the same
+    words for the client library and the ``shmstage`` command.
+
+    The kernel answers "connection refused" both for a socket nobody listens on any more
+    and for a path that is no socket at all; only the first means the daemon is gone.
+    """
+    what = f"cannot connect to shmstaged at {path}"
+    if isinstance(exc, FileNotFoundError):
+        dangling = os.path.islink(path)
+        return (
+            f"{what}: {'a symlink to nothing' if dangling else 'no such file'} — is "
+            "shmstaged running? (systemctl status shmstaged; or set SHMSTAGE_SOCKET / pass "
+            "the daemon's --socket)"
+        )
+    if isinstance(exc, PermissionError):
+        return (
+            f"{what}: permission denied — add this user to the group that owns the socket "
+            "(usermod -aG shmstage $USER, then log in again)"
+        )
+    if exc.errno == errno.ECONNREFUSED:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFSOCK
+        if stat.S_ISDIR(mode):
+            return (
+                f"{what}: it is a directory, not a socket — pass the socket itself (for "
+                f"example {Path(path) / SOCKET_NAME})"
+            )
+        if not stat.S_ISSOCK(mode):
+            return (
+                f"{what}: it is a {file_kind(mode)}, not a socket — the path is wrong (check "
+                "SHMSTAGE_SOCKET or socket=), or shmstaged's socket was replaced: remove the "
+                "file and restart shmstaged"
+            )
+        return (
+            f"{what}: connection refused — the daemon that created this socket is gone; "
+            "start shmstaged (systemctl restart shmstaged)"
+        )
+    return f"{what}: {exc.strerror or exc}"
+
+
+def file_kind(mode: int) -> str:
+    """What a file is, in words, for messages about a path that is not what it should be."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISFIFO(mode):
+        return "named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"

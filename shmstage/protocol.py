@@ -25,7 +25,7 @@ import enum
 import os
 import struct
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -103,7 +103,9 @@ _NONE = (type(None),)
 
 _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"version": _INT, "client": _STR, "pid": _INT},
-    "register": {"tensors": _LIST, "slots": _INT},
+    # ``max_fds``: how many descriptors the client can take in one message (its free
+    # descriptors, see RLIMIT_NOFILE); the daemon sends the segments in batches that size.
+    "register": {"tensors": _LIST, "slots": _INT, "max_fds": _INT},
     "acquire": {"layout": _INT, "wait": _BOOL, "timeout": _NUM + _NONE},
     "cancel": {"layout": _INT, "slot": _INT},
     "commit": {
@@ -112,11 +114,16 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "data_file": _STR,
         "data_tmp": _STR,
         "manifest_tmp": _STR,
+        # A save to a new directory: the client made the hidden ``pending_dir`` in the
+        # destination's parent, and the daemon publishes it by renaming it to ``final_dir``.
+        # Descriptors: parent, pending directory, data file, manifest file. Without these
+        # fields the files go into an existing directory: directory, data file, manifest.
+        "pending_dir": _STR,
+        "final_dir": _STR,
         "tree": _ANY,
         "metadata": _MAP,
         "file_metadata": _MAP,
-        # How long the client's copy took and how long it waited for the slot: the daemon
-        # cannot see the training stall itself, and reports it in its metrics.
+        # Clients before the "report" op sent their copy and slot-wait times here.
         "stage_seconds": _NUM,
         "slot_wait_seconds": _NUM,
         # False: sent while the copy still runs, so that the daemon checks and journals it
@@ -129,6 +136,17 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "job": _INT,
         "stage_seconds": _NUM,
         "slot_wait_seconds": _NUM,
+    },
+    # One-way, never answered (an error only if it is malformed): what a committed save cost
+    # the trainer, sent after save() returned, since only then is the stall known.
+    "report": {
+        "job": _INT,
+        "stall_seconds": _NUM,
+        "prepare_seconds": _NUM,
+        "setup_seconds": _NUM,
+        "slot_wait_seconds": _NUM,
+        "copy_seconds": _NUM,
+        "commit_seconds": _NUM,
     },
     "release": {"layout": _INT},
     "status": {},
@@ -148,13 +166,31 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "metrics": {"metrics": _MAP},
     "error": {"code": _STR, "message": _STR, "fatal": _BOOL},
 }
+#: The parts of a save's stall a "report" may carry besides ``stall_seconds``.
+REPORT_PARTS: Final = (
+    "prepare_seconds",
+    "setup_seconds",
+    "slot_wait_seconds",
+    "copy_seconds",
+    "commit_seconds",
+)
 _OPTIONAL: dict[str, frozenset[str]] = {
     "commit": frozenset(
-        {"file_metadata", "metadata", "stage_seconds", "slot_wait_seconds", "ready"}
+        {
+            "file_metadata",
+            "metadata",
+            "stage_seconds",
+            "slot_wait_seconds",
+            "ready",
+            "pending_dir",
+            "final_dir",
+        }
     ),
     "ready": frozenset({"stage_seconds", "slot_wait_seconds"}),
-    # Without "slots" the daemon uses its configured default_slots.
-    "register": frozenset({"slots"}),
+    # Without "slots" the daemon uses its configured default_slots; without "max_fds" it
+    # sends as many descriptors per message as Linux allows.
+    "register": frozenset({"slots", "max_fds"}),
+    "report": frozenset(REPORT_PARTS),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 
@@ -170,18 +206,47 @@ class Frame:
 
 
 def encode_frame(
-    op: str, request_id: int, body: dict[str, Any], nfds: int = 0, *, max_bytes: int
+    op: str,
+    request_id: int,
+    body: dict[str, Any],
+    nfds: int = 0,
+    *,
+    max_bytes: int,
+    prepacked: Mapping[str, bytes] | None = None,
 ) -> bytes:
-    """Encode one frame; refuses what the peer would refuse rather than sending it."""
+    """Encode one frame; refuses what the peer would refuse rather than sending it.
+
+    ``prepacked``: fields whose msgpack encoding the caller already has (a commit's tree,
+    packed while the state dict was checked), spliced in as they are: the bytes are those
+    of packing the values here, without packing them twice.
+    """
     if nfds > MAX_FDS_PER_FRAME:
         raise ValueError(f"{nfds} descriptors in one frame; Linux passes at most 253")
     message = {"op": op, "id": request_id, "nfds": nfds, **body}
-    payload = msgpack.packb(message, use_bin_type=True)
+    if prepacked:
+        payload = pack_map(message, prepacked)
+    else:
+        payload = msgpack.packb(message, use_bin_type=True)
     if len(payload) > max_bytes:
         raise ValueError(
             f"{op} frame of {len(payload)} bytes exceeds the {max_bytes}-byte frame limit"
         )
     return _LENGTH.pack(len(payload)) + payload
+
+
+def pack_map(fields: Mapping[str, Any], prepacked: Mapping[str, bytes]) -> bytes:
+    """A msgpack map of ``fields`` in their order, where ``prepacked`` holds the encoding of
+    some values already (used in place; keys only in ``prepacked`` come last)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    extra = [key for key in prepacked if key not in fields]
+    parts = [packer.pack_map_header(len(fields) + len(extra))]
+    for key, value in fields.items():
+        parts.append(packer.pack(key))
+        parts.append(prepacked[key] if key in prepacked else packer.pack(value))
+    for key in extra:
+        parts.append(packer.pack(key))
+        parts.append(prepacked[key])
+    return b"".join(parts)
 
 
 class Connection:
@@ -410,7 +475,15 @@ class Connection:
 
     # -- sending -----------------------------------------------------------------
 
-    def send(self, op: str, request_id: int, body: dict[str, Any], nfds: int = 0) -> bytes:
+    def send(
+        self,
+        op: str,
+        request_id: int,
+        body: dict[str, Any],
+        nfds: int = 0,
+        *,
+        prepacked: Mapping[str, bytes] | None = None,
+    ) -> bytes:
         """Bytes for one frame we send; the caller passes ``nfds`` descriptors with them."""
         ours = _DAEMON_OPS if self.role is Role.DAEMON else _CLIENT_OPS
         if op not in ours:
@@ -420,7 +493,9 @@ class Connection:
             self._we_greeted = True
         elif not self._we_greeted and op != "error":
             raise ValueError(f"{op} before {handshake}")
-        return encode_frame(op, request_id, body, nfds, max_bytes=self.max_frame_bytes)
+        return encode_frame(
+            op, request_id, body, nfds, max_bytes=self.max_frame_bytes, prepacked=prepacked
+        )
 
     def error_frame(
         self, code: ErrorCode, message: str, request_id: int = 0, *, fatal: bool = False

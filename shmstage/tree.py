@@ -131,6 +131,42 @@ def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int =
     raise TreeError(f"malformed structure node {node!r:.80}")
 
 
+def parts(node: Any) -> list[tuple[str | int, Any]]:
+    """The children of an encoded container with their dict key or list index; [] for a
+    leaf (a plain value, a tensor reference or a float)."""
+    if isinstance(node, dict) and len(node) == 1:
+        ((tag, value),) = node.items()
+        if tag == "d" and isinstance(value, list):
+            return [(pair[0], pair[1]) for pair in value]
+        if tag in ("l", "t") and isinstance(value, list):
+            return list(enumerate(value))
+    return []
+
+
+def find(encoded: Any, predicate: Callable[[Any], bool]) -> list[str | int] | None:
+    """The path to a plain value or dict key of an encoded tree that ``predicate`` accepts
+    (for error messages: ``show(path)``), or None when there is none."""
+    stack: list[tuple[list[str | int], Any]] = [([], encoded)]
+    while stack:
+        path, node = stack.pop()
+        children = parts(node)
+        if not children:
+            if predicate(node):
+                return path
+            continue
+        tag = next(iter(node))
+        for part, child in reversed(children):
+            if tag == "d" and predicate(part):
+                return [*path, part]
+            stack.append(([*path, part], child))
+    return None
+
+
+def show(path: Sequence[Any]) -> str:
+    """Where a value sits, as the caller would index it: ``state_dict['optim'][0]``."""
+    return _show(path)
+
+
 def _float(text: str) -> float:
     """A float tag's value; a malformed or out-of-range one is a TreeError like any bad node."""
     try:

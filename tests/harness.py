@@ -221,9 +221,12 @@ def staged_job(
     tensors: Sequence[tuple[TensorSpec, bytes]],
     *,
     peer: Peer | None = None,
+    new: bool = False,
 ) -> PersistJob:
     """A committed job as the daemon holds it: segments filled, the client's files open in
-    the new ``directory``; for tests that run ``job.run`` (or the journal) in-process."""
+    the new ``directory``; for tests that run ``job.run`` (or the journal) in-process.
+    ``new``: as a save to a new directory is, written into a hidden pending directory
+    beside it and published by renaming that to ``directory``."""
     layout = Layout.of([spec for spec, _ in tensors])
     refs = []
     for spec, payload in tensors:
@@ -234,8 +237,9 @@ def staged_job(
             mapping[: len(payload)] = payload
         os.close(fd)
         refs.append(ref)
-    directory.mkdir()
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    pending = names.pending_dir_name() if new else ""
+    (directory.parent / pending if new else directory).mkdir()
+    dir_fd = os.open(directory.parent / pending if new else directory, os.O_RDONLY | os.O_DIRECTORY)
     data_tmp, manifest_tmp = names.temp_name("model.safetensors"), names.temp_name(MANIFEST_NAME)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     dest = Destination(
@@ -246,6 +250,9 @@ def staged_job(
         data_tmp,
         manifest_tmp,
     )
+    if new:
+        dest.parent_fd = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY)
+        dest.pending_dir, dest.final_dir = pending, directory.name
     return PersistJob(
         id=1,
         layout=layout,

@@ -15,6 +15,7 @@ from shmstage_client.errors import (
     DaemonLost,
     DaemonRefused,
     DaemonUnavailable,
+    DestinationError,
     PersistError,
     SaveError,
     SaveTimeout,
@@ -22,8 +23,10 @@ from shmstage_client.errors import (
     StagingLimitExceeded,
     UnsupportedValue,
 )
+from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.loading import load
-from shmstage_client.stager import SaveEvent, SaveHandle, SaveResult, Staged, Stager
+from shmstage_client.staged import Staged
+from shmstage_client.stager import Stager
 
 __version__ = "0.1.0"
 __all__ = [
@@ -33,12 +36,14 @@ __all__ = [
     "DaemonLost",
     "DaemonRefused",
     "DaemonUnavailable",
+    "DestinationError",
     "PersistError",
     "SaveError",
     "SaveEvent",
     "SaveHandle",
     "SaveResult",
     "SaveTimeout",
+    "SaveTimings",
     "SlotUnavailable",
     "Staged",
     "Stager",

@@ -15,18 +15,27 @@ import itertools
 import logging
 import os
 import queue
+import resource
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shmstage.paths import default_socket_path
-from shmstage.protocol import PROTOCOL_VERSION, Connection, Frame, ProtocolError, Role
+from shmstage.paths import connect_problem, default_socket_path
+from shmstage.protocol import (
+    MAX_FDS_PER_FRAME,
+    PROTOCOL_VERSION,
+    Connection,
+    Frame,
+    ProtocolError,
+    Role,
+)
 from shmstage_client.errors import (
     DaemonLost,
     DaemonRefused,
     DaemonUnavailable,
+    SaveError,
     SaveTimeout,
     SlotUnavailable,
     StagingLimitExceeded,
@@ -47,19 +56,52 @@ def refusal(code: str, message: str) -> DaemonRefused:
     return DaemonRefused(code, message)
 
 
-def _truncated_fds_message(received: int) -> str:
-    """The kernel drops descriptors it cannot install: say so, not 'protocol error'."""
-    import resource
+#: Descriptors kept free for everything else the process opens while segments arrive
+#: (files, sockets, CUDA, the commit's own four).
+FD_HEADROOM = 32
+#: Below this many descriptors per message a large layout arrives too slowly to be useful.
+MIN_FDS_PER_MESSAGE = 8
 
+
+def _descriptors() -> tuple[int, int]:
+    """(RLIMIT_NOFILE soft limit, descriptors open now) of this process."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
-        in_use = len(os.listdir("/proc/self/fd"))
+        in_use = len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor
     except OSError:
-        in_use = -1
+        in_use = 0
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return soft, in_use
+
+
+def receivable_fds() -> int:
+    """How many descriptors one message from the daemon may carry without running this
+    process out of them; raises SaveError naming the limit to raise.
+
+    Two messages' worth may be open at once: the reader receives the next batch while the
+    caller maps and closes the one before (``DaemonConnection._untaken_fds``).
+    """
+    soft, in_use = _descriptors()
+    free = (soft - in_use - FD_HEADROOM) // 2
+    if free < MIN_FDS_PER_MESSAGE:
+        raise SaveError(
+            f"this process has {in_use} file descriptors open and RLIMIT_NOFILE is {soft}, "
+            f"too few left to receive shared-memory segments from shmstaged: raise the limit "
+            f"to at least {in_use + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME} (ulimit -n, or "
+            "LimitNOFILE= in a systemd unit), or close descriptors this process leaks"
+        )
+    return min(MAX_FDS_PER_FRAME, free)
+
+
+def _truncated_fds_message(received: int) -> str:
+    """The kernel drops descriptors it cannot install: say so, not 'protocol error'."""
+    soft, in_use = _descriptors()
     return (
         f"this process ran out of file descriptors while receiving shared-memory segments "
-        f"from shmstaged (got {received}; {in_use} open, RLIMIT_NOFILE {soft}): raise the "
-        "limit (ulimit -n) or find what leaks descriptors in this process"
+        f"from shmstaged (got {received}; {in_use} open, RLIMIT_NOFILE {soft}): something "
+        f"opened descriptors while they arrived — raise the limit (ulimit -n) to at least "
+        f"{in_use + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME} or find what leaks descriptors"
     )
 
 
@@ -97,30 +139,11 @@ class DaemonConnection:
     def _connect(self, timeout: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
-        where = f"cannot connect to shmstaged at {self.path}"
         try:
             sock.connect(str(self.path))
-        except FileNotFoundError:
-            sock.close()
-            raise DaemonUnavailable(
-                f"{where}: no such file — is the service running? systemctl status shmstaged "
-                "(or set SHMSTAGE_SOCKET / pass socket= to the daemon's --socket)"
-            ) from None
-        except ConnectionRefusedError:
-            sock.close()
-            raise DaemonUnavailable(
-                f"{where}: connection refused — the daemon that created this socket is gone; "
-                "start shmstaged (systemctl restart shmstaged)"
-            ) from None
-        except PermissionError:
-            sock.close()
-            raise DaemonUnavailable(
-                f"{where}: permission denied — add this user to the group that owns the "
-                "socket (usermod -aG shmstage $USER, then log in again)"
-            ) from None
         except OSError as exc:
             sock.close()
-            raise DaemonUnavailable(f"{where}: {exc.strerror or exc}") from None
+            raise DaemonUnavailable(connect_problem(self.path, exc)) from None
         sock.settimeout(_IO_TIMEOUT)
         return sock
 
@@ -237,10 +260,33 @@ class DaemonConnection:
     def alive(self) -> bool:
         return self._lost is None and self._reader.is_alive()
 
-    def start(self, op: str, body: dict[str, Any], fds: Sequence[int] = ()) -> RequestHandle:
-        """Send a request; the handle yields the frames answering it."""
-        request_id = next(self._ids)
+    def start(
+        self,
+        op: str,
+        body: dict[str, Any],
+        fds: Sequence[int] = (),
+        *,
+        prepacked: Mapping[str, bytes] | None = None,
+    ) -> RequestHandle:
+        """Send a request; the handle yields the frames answering it. ``prepacked``: fields
+        already encoded (see ``protocol.encode_frame``)."""
         waiter: queue.Queue[Frame | BaseException] = queue.Queue()
+        request_id = self._send(op, body, fds, prepacked, waiter)
+        return RequestHandle(self, request_id, op, waiter)
+
+    def post(self, op: str, body: dict[str, Any]) -> None:
+        """Send a message nobody answers (``report``); an error reply to it is only logged."""
+        self._send(op, body, (), None, None)
+
+    def _send(
+        self,
+        op: str,
+        body: dict[str, Any],
+        fds: Sequence[int],
+        prepacked: Mapping[str, bytes] | None,
+        waiter: queue.Queue[Frame | BaseException] | None,
+    ) -> int:
+        request_id = next(self._ids)
         with self._lock:
             if self._lost is not None:
                 # A refusal the daemon sent (not admitted, ...) may arrive before our first
@@ -250,9 +296,10 @@ class DaemonConnection:
                     if isinstance(self._lost, DaemonLost | DaemonRefused)
                     else DaemonLost(str(self._lost))
                 )
-            self._waiting[request_id] = waiter
+            if waiter is not None:
+                self._waiting[request_id] = waiter
             try:
-                data = self._conn.send(op, request_id, body, len(fds))
+                data = self._conn.send(op, request_id, body, len(fds), prepacked=prepacked)
                 if fds:
                     sent = socket.send_fds(self._sock, [data], list(fds))
                     if sent < len(data):
@@ -266,7 +313,7 @@ class DaemonConnection:
                 if exc.errno in (errno.EPIPE, errno.ECONNRESET) or isinstance(exc, TimeoutError):
                     raise DaemonLost(f"sending {op} to shmstaged failed: {exc}") from None
                 raise
-        return RequestHandle(self, request_id, op, waiter)
+        return request_id
 
     def call(
         self, op: str, body: dict[str, Any], fds: Sequence[int] = (), *, timeout: float | None

@@ -40,6 +40,11 @@ class CheckpointExists(SaveError, FileExistsError):
     """The destination already holds a checkpoint; shmstage never overwrites one."""
 
 
+class DestinationError(SaveError):
+    """The checkpoint path cannot be used (empty, a file, a dangling symlink, not writable);
+    the message says what it is and the fix. Nothing was written."""
+
+
 class PersistError(SaveError):
     """The daemon could not write the checkpoint; partial files were removed."""
 

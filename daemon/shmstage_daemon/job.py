@@ -9,16 +9,22 @@ Order of durability, which is what makes a checkpoint never torn:
   2. linked to its final ``.safetensors`` name (refusing to replace anything);
   3. manifest written to its own temporary file, fsynced, linked to its final name —
      this is the commit marker;
-  4. directory fsynced.
+  4. directory fsynced;
+  5. for a new directory (the client made it as a hidden pending directory in the
+     destination's parent): renamed to its final name, never replacing anything
+     (``rename_noreplace``), and the parent fsynced.
 Any failure removes what this job created, manifest first, so no partial file keeps a final
-name; names are removed only when they are this job's own files (same inode).
+name, then the pending directory; names are removed only when they are this job's own
+files or directory (same inode).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +43,12 @@ from shmstage_daemon.gather import Gatherer
 
 @dataclass
 class Destination:
-    """Descriptors the client opened (the daemon resolves no user path) and plain names."""
+    """Descriptors the client opened (the daemon resolves no user path) and plain names.
+
+    ``dir_fd`` is the directory the files are written in: an existing checkpoint
+    directory, or — for a new one — the hidden pending directory ``pending_dir`` that the
+    client made in the directory ``parent_fd``, published by renaming it to ``final_dir``.
+    """
 
     dir_fd: int
     data_fd: int
@@ -45,13 +56,33 @@ class Destination:
     data_file: str
     data_tmp: str
     manifest_tmp: str
-    #: Where the directory is, for messages only (the job writes through ``dir_fd``).
+    #: Where ``dir_fd`` is (as the journal located it), for messages only: the job writes
+    #: through descriptors.
     path: str = "the checkpoint directory"
+    parent_fd: int = -1
+    pending_dir: str = ""
+    final_dir: str = ""
+
+    @property
+    def pending(self) -> bool:
+        """A new directory, published by renaming the pending one."""
+        return bool(self.final_dir)
+
+    def shown(self, located: str | None = None) -> str:
+        """Where the checkpoint goes, for messages: its final path where known.
+        ``located``: where ``dir_fd`` is, if not ``path``."""
+        where = self.path if located is None else located
+        if self.pending:
+            if os.path.isabs(where):
+                return os.path.join(os.path.dirname(where), self.final_dir)
+            return f"the checkpoint directory {self.final_dir}"
+        return where
 
     def close(self) -> None:
-        for fd in (self.data_fd, self.manifest_fd, self.dir_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in (self.data_fd, self.manifest_fd, self.dir_fd, self.parent_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class Progress:
@@ -84,6 +115,9 @@ class PersistJob:
     #: Whose checkpoint this is: names are published only while this peer may still write
     #: the directory (None: no check, for tests of the job alone).
     peer: Peer | None = None
+    #: What the save cost the trainer (``stall_seconds`` and its parts), once its client
+    #: reported it; set by the event loop, for the job's log line.
+    client_timings: dict[str, float] = field(default_factory=dict)
     #: Set by a daemon that is stopping and can wait no longer: the job stops at its next
     #: write and leaves every file in place for the journal (see ``JobInterrupted``).
     stop: threading.Event = field(default_factory=threading.Event)
@@ -164,6 +198,7 @@ def _run(job: PersistJob) -> JobResult:
             size = os.fstat(dest.data_fd).st_size
             _sync_dir(dest, job.fsync)
             _remove_temps(dest)
+            _publish_directory(job, step)
             return _published(job, size, started)
         total, checksums = _write_data(job, step)
         step.now = f"publishing {dest.data_file}"
@@ -191,8 +226,10 @@ def _run(job: PersistJob) -> JobResult:
         _check_writable(job)
         _publish(dest, dest.manifest_tmp, MANIFEST_NAME, dest.manifest_fd)
         step.now = "syncing the checkpoint directory"
-        faults.maybe_eio("sync-dir")
+        if not dest.pending:
+            faults.maybe_eio("sync-dir")
         _sync_dir(dest, job.fsync)
+        _publish_directory(job, step)
         return _published(job, total, started)
     except JobInterrupted:
         return _interrupted(job, step, started)
@@ -234,7 +271,7 @@ class Step:
 def _storage_message(dest: Destination, step: str, exc: OSError) -> str:
     """The cause in words an operator acts on: which file, which step, what to do."""
     code = errno.errorcode.get(exc.errno or 0, "unknown errno")
-    where = dest.path
+    where = dest.shown()
     try:
         removed = os.fstat(dest.dir_fd).st_nlink == 0
     except OSError:
@@ -325,8 +362,8 @@ def _publish(dest: Destination, tmp: str, final: str, fd: int) -> None:
     except FileExistsError:
         raise JobFailed(
             ErrorCode.EXISTS,
-            f"{final} already exists in {dest.path}; shmstage never replaces a checkpoint — "
-            "save to a new directory",
+            f"{final} already exists in {dest.shown()}; shmstage never replaces a checkpoint "
+            "— save to a new directory",
         ) from None
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
@@ -337,20 +374,100 @@ def _publish(dest: Destination, tmp: str, final: str, fd: int) -> None:
         except FileNotFoundError:
             os.rename(tmp, final, src_dir_fd=dest.dir_fd, dst_dir_fd=dest.dir_fd)
             return
-        raise JobFailed(ErrorCode.EXISTS, f"{final} already exists in {dest.path}") from None
+        raise JobFailed(ErrorCode.EXISTS, f"{final} already exists in {dest.shown()}") from None
     os.unlink(tmp, dir_fd=dest.dir_fd)
 
 
-def _check_writable(job: PersistJob) -> None:
+def _publish_directory(job: PersistJob, step: Step) -> None:
+    """A new checkpoint directory gets its final name, never replacing anything, and the
+    parent is synced; nothing to do for an existing directory (or one already published
+    by an earlier, interrupted run of this job)."""
+    dest = job.destination
+    if not dest.pending:
+        return
+    step.now = f"publishing {dest.shown()}"
+    if not _names_directory(dest, dest.final_dir):
+        if not _names_directory(dest, dest.pending_dir):
+            raise JobFailed(
+                ErrorCode.STORAGE,
+                f"the pending directory {dest.pending_dir} of {dest.shown()} was renamed or "
+                "removed while the checkpoint was written; nothing was published",
+            )
+        check_stop(job)
+        _check_writable(job, dest.parent_fd)
+        try:
+            rename_noreplace(dest.parent_fd, dest.pending_dir, dest.final_dir)
+        except FileExistsError:
+            raise JobFailed(
+                ErrorCode.EXISTS,
+                f"{dest.shown()} appeared while the checkpoint was written; shmstage never "
+                "replaces anything — save to a new directory",
+            ) from None
+    step.now = "syncing the checkpoint directory's parent"
+    faults.maybe_eio("sync-dir")
+    if job.fsync:
+        os.fsync(dest.parent_fd)
+
+
+def _names_directory(dest: Destination, name: str) -> bool:
+    """Does ``name`` in the parent name the very directory behind ``dest.dir_fd``?"""
+    try:
+        named = os.stat(name, dir_fd=dest.parent_fd, follow_symlinks=False)
+        st = os.fstat(dest.dir_fd)
+    except OSError:
+        return False
+    return stat.S_ISDIR(named.st_mode) and (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
+
+
+RENAME_NOREPLACE: Final = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28 and later
+
+
+def rename_noreplace(dir_fd: int, old: str, new: str) -> None:
+    """Rename ``old`` to ``new`` in ``dir_fd``; FileExistsError if ``new`` exists.
+
+    ``renameat2(RENAME_NOREPLACE)`` checks and renames atomically. Where the filesystem or
+    C library refuses it (EINVAL, ENOSYS: some network filesystems, old kernels), the
+    fallback checks that ``new`` is absent and then renames: rename(2) of a directory
+    never replaces a file or a non-empty directory, so what a racing creator could lose
+    in that instant is at most an empty directory — never data.
+    """
+    if _renameat2 is not None:
+        done = _renameat2(dir_fd, os.fsencode(old), dir_fd, os.fsencode(new), RENAME_NOREPLACE)
+        if done == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), new)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), new)
+    try:
+        os.stat(new, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+    else:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), new)
+    try:
+        os.rename(old, new, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), new) from None
+        raise
+
+
+def _check_writable(job: PersistJob, dir_fd: int | None = None) -> None:
     """The daemon may run as root: it creates a name only while the saving user could.
 
-    Checked at commit, and again before each publish, so a directory made read-only (or
-    handed to another owner) while the data streamed gets nothing new in it.
+    Checked at commit, and again before each publish (in the directory the name goes
+    into: ``dir_fd``, by default the one the files are written in), so a directory made
+    read-only (or handed to another owner) while the data streamed gets nothing new in it.
     """
-    if job.peer is not None and not may_write_dir(os.fstat(job.destination.dir_fd), job.peer):
+    fd = job.destination.dir_fd if dir_fd is None else dir_fd
+    if job.peer is not None and not may_write_dir(os.fstat(fd), job.peer):
         raise JobFailed(
             ErrorCode.NOT_ALLOWED,
-            f"uid {job.peer.uid} can no longer write {job.destination.path} (it was made "
+            f"uid {job.peer.uid} can no longer write {job.destination.shown()} (it was made "
             "read-only or changed owner while the checkpoint was written); nothing was "
             "published — make it writable again and save once more",
         )
@@ -382,13 +499,20 @@ def _remove_temps(dest: Destination) -> None:
 
 
 def _undo(dest: Destination) -> None:
-    """Remove what this job published, commit marker first, then its temporary files.
+    """Remove what this job published, commit marker first, then its temporary files, then
+    the directory it was given to create (pending, or already under its final name).
 
     Unpublishing the manifest before the data file means a reader never finds a manifest
-    whose data is gone; only names that are this job's own files are removed.
+    whose data is gone; only names that are this job's own files are removed, and the
+    directory only while it is the very one the client made (and empty).
     """
     for name, fd in ((MANIFEST_NAME, dest.manifest_fd), (dest.data_file, dest.data_fd)):
         if _is_ours(dest, name, fd):
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dest.dir_fd)
     _remove_temps(dest)
+    if dest.pending:
+        for name in (dest.final_dir, dest.pending_dir):
+            if _names_directory(dest, name):
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=dest.parent_fd)

@@ -29,6 +29,13 @@ very files the client created (st_dev, st_ino) — so a renamed, replaced or sym
 can never redirect the write. A directory the daemon cannot reach by path (another mount
 namespace) is not journaled: that job is lost if the daemon dies, and the daemon logs so at
 commit.
+
+A save to a new directory is written into a hidden pending directory the client made in the
+destination's parent and published by renaming it (``job``). Its entry records the parent
+(``directory``, walked and checked the same way), the pending directory's hidden name and
+identity, and the final name; after a restart the directory is looked up under either name
+(the killed daemon may have renamed it already) and accepted only if it is that very
+directory.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from shmstage import names, segment
 from shmstage.instance import JOURNAL_SUFFIX
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import MANIFEST_NAME
+from shmstage.protocol import pack_map
 from shmstage.segment import SegmentRef
 from shmstage_daemon import job
 from shmstage_daemon.admission import Peer, may_write_dir
@@ -57,7 +65,9 @@ from shmstage_daemon.store import SlotWire
 
 log = logging.getLogger("shmstaged.journal")
 
-ENTRY_VERSION: Final = 1
+ENTRY_VERSION: Final = 2
+#: Version 1 entries (before new directories were published by rename) still load.
+_OLDER_VERSIONS: Final = frozenset({1})
 #: An entry holds a layout, a tree and metadata; a real one is well below this.
 MAX_ENTRY_BYTES: Final = 256 * 1024 * 1024
 _TMP_SUFFIX: Final = ".tmp"
@@ -135,6 +145,11 @@ class Entry:
     gid: int
     groups: list[int]
     fsync: bool
+    #: A new directory: its hidden name while pending, its identity, its final name (all
+    #: in ``directory``, the parent). Empty for files written into an existing directory.
+    pending_dir: str = ""
+    pending_id: FileId = (0, 0)
+    final_dir: str = ""
 
     @property
     def name(self) -> str:
@@ -145,20 +160,15 @@ class Entry:
         return Peer(0, self.uid, self.gid, frozenset(self.groups))
 
     def describe(self) -> str:
-        return f"job {self.job} of instance {self.instance} ({self.directory}/{self.data_file})"
+        where = os.path.join(self.directory, self.final_dir) if self.final_dir else self.directory
+        return f"job {self.job} of instance {self.instance} ({where}/{self.data_file})"
 
     def to_bytes(self, prepacked: Mapping[str, bytes] | None = None) -> bytes:
         """The entry as one msgpack map. ``prepacked``: fields whose encoding is already
         known (a slot's tensors and segments, see ``store.SlotWire``), spliced in as is;
         the bytes are the same as without it."""
         fields = {"v": ENTRY_VERSION, **{k: getattr(self, k) for k in _FIELDS}}
-        done = prepacked or {}
-        packer = msgpack.Packer(use_bin_type=True)
-        parts = [packer.pack_map_header(len(fields))]
-        for key, value in fields.items():
-            parts.append(packer.pack(key))
-            parts.append(done[key] if key in done else packer.pack(value))
-        return b"".join(parts)
+        return pack_map(fields, prepacked or {})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Entry:
@@ -166,8 +176,12 @@ class Entry:
             raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
         except Exception as exc:  # msgpack raises several unrelated types
             raise JournalError(f"undecodable entry: {type(exc).__name__}: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("v") != ENTRY_VERSION:
-            raise JournalError("not a version-1 journal entry")
+        if not isinstance(raw, dict) or (
+            raw.get("v") != ENTRY_VERSION and raw.get("v") not in _OLDER_VERSIONS
+        ):
+            raise JournalError(f"not a version-{ENTRY_VERSION} journal entry")
+        if raw["v"] in _OLDER_VERSIONS:
+            raw = {**_NEW_IN_V2, **raw}
         try:
             values = {k: raw[k] for k in _FIELDS}
         except KeyError as exc:
@@ -177,7 +191,7 @@ class Entry:
                 isinstance(values[key], bool) and kind is not bool
             ):
                 raise JournalError(f"entry field {key} is not {kind.__name__}")
-        for key in ("directory_id", "data_id", "manifest_id"):
+        for key in ("directory_id", "data_id", "manifest_id", "pending_id"):
             values[key] = _file_id(values[key], key)
         values["segments"] = [_segment(item) for item in values["segments"]]
         return cls(**values)
@@ -203,7 +217,11 @@ _FIELDS: Final[dict[str, type]] = {
     "gid": int,
     "groups": list,
     "fsync": bool,
+    "pending_dir": str,
+    "pending_id": list,
+    "final_dir": str,
 }
+_NEW_IN_V2: Final[dict[str, Any]] = {"pending_dir": "", "pending_id": [0, 0], "final_dir": ""}
 
 
 def _file_id(value: Any, key: str) -> FileId:
@@ -239,9 +257,23 @@ def entry_for(
     directory: str,
     directory_id: FileId,
 ) -> Entry:
-    """The journal entry of a job about to be acknowledged (fstat only: no file I/O)."""
+    """The journal entry of a job about to be acknowledged (fstat only: no file I/O).
+
+    ``directory`` is where the daemon reaches the directory the files are in; for a new
+    directory, that is the pending directory in its parent, and the entry records the parent.
+    """
     dest = persist.destination
     data, manifest = os.fstat(dest.data_fd), os.fstat(dest.manifest_fd)
+    pending: dict[str, Any] = {}
+    if dest.pending:
+        parent = os.fstat(dest.parent_fd)
+        pending = {
+            "pending_dir": dest.pending_dir,
+            "pending_id": directory_id,
+            "final_dir": dest.final_dir,
+        }
+        directory = os.path.dirname(directory)  # a recovery checks it is the parent
+        directory_id = (parent.st_dev, parent.st_ino)
     return Entry(
         instance=instance,
         job=persist.id,
@@ -262,6 +294,7 @@ def entry_for(
         gid=peer.gid,
         groups=sorted(peer.groups),
         fsync=persist.fsync,
+        **pending,
     )
 
 
@@ -345,16 +378,18 @@ def reopen(entry: Entry) -> job.Destination:
             names.check_plain_name(name, what="file")
             if final is not None:
                 names.check_temp_name(name, final)
+            if entry.final_dir:
+                names.check_pending_dir_name(entry.pending_dir)
+                names.check_final_dir_name(entry.final_dir)
         except names.NameError_ as exc:
             raise JournalError(str(exc)) from None
-    dir_fd = open_directory(entry.directory, entry.directory_id)
-    fds = [dir_fd]
+    fds = [open_directory(entry.directory, entry.directory_id)]
     try:
-        if not may_write_dir(os.fstat(dir_fd), entry.peer()):
-            raise JournalError(
-                f"uid {entry.uid} can no longer write {entry.directory}; shmstaged will not "
-                "write there on its behalf"
-            )
+        _check_writable(entry, fds[0], entry.directory)
+        if entry.final_dir:
+            fds.append(_open_pending(entry, fds[0]))
+            _check_writable(entry, fds[1], entry.directory)
+        dir_fd = fds[-1]
         data_fd = _open_file(dir_fd, (entry.data_tmp, entry.data_file), entry.data_id)
         if data_fd is None:
             raise JournalError(
@@ -365,10 +400,23 @@ def reopen(entry: Entry) -> job.Destination:
         manifest_fd = _open_file(dir_fd, (entry.manifest_tmp, MANIFEST_NAME), entry.manifest_id)
         if manifest_fd is None:
             raise JournalError(f"the manifest file the client created in {entry.directory} is gone")
+        fds.append(manifest_fd)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+    for fd in fds[1:]:  # the pending directory and the files, in use again (see names)
+        names.hold(fd)
+    if not entry.final_dir:
+        return job.Destination(
+            dir_fd,
+            data_fd,
+            manifest_fd,
+            entry.data_file,
+            entry.data_tmp,
+            entry.manifest_tmp,
+            path=entry.directory,
+        )
     return job.Destination(
         dir_fd,
         data_fd,
@@ -376,7 +424,37 @@ def reopen(entry: Entry) -> job.Destination:
         entry.data_file,
         entry.data_tmp,
         entry.manifest_tmp,
-        path=entry.directory,
+        path=os.path.join(entry.directory, entry.pending_dir),
+        parent_fd=fds[0],
+        pending_dir=entry.pending_dir,
+        final_dir=entry.final_dir,
+    )
+
+
+def _check_writable(entry: Entry, dir_fd: int, where: str) -> None:
+    if not may_write_dir(os.fstat(dir_fd), entry.peer()):
+        raise JournalError(
+            f"uid {entry.uid} can no longer write {where}; shmstaged will not write there on "
+            "its behalf"
+        )
+
+
+def _open_pending(entry: Entry, parent_fd: int) -> int:
+    """The job's own directory in the parent, under its pending or (if the killed daemon
+    had published it) its final name, without following a symlink."""
+    for name in (entry.pending_dir, entry.final_dir):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=parent_fd)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == entry.pending_id:
+            return fd
+        os.close(fd)
+    raise JournalError(
+        f"the checkpoint's directory is gone from {entry.directory} (neither "
+        f"{entry.pending_dir} nor {entry.final_dir} is it any more)"
     )
 
 

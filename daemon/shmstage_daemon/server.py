@@ -42,7 +42,7 @@ from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
 from shmstage_daemon.store import Limits, SlotWire, StagedLayout, Store, StoreError
-from shmstage_daemon.telemetry import FinishedJob, Telemetry
+from shmstage_daemon.telemetry import FinishedJob, Telemetry, describe_stall
 from shmstage_daemon.transport import Transport
 
 log = logging.getLogger("shmstaged")
@@ -649,7 +649,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         directory = "?"
         with contextlib.suppress(OSError):  # for status displays only; never used to write
-            directory = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
+            located = os.readlink(f"/proc/self/fd/{persist.destination.dir_fd}")
+            directory = persist.destination.shown(located)
         persist.stop = self._stop_writers
         owner = persist.peer.uid if persist.peer is not None else session.peer.uid
         future = asyncio.wrap_future(self._writers.submit_for(owner, job.run, persist), loop=loop)
@@ -684,11 +685,12 @@ class Daemon:
             self.stats["saves"] += 1
             self.stats["bytes"] += result.bytes
             log.info(
-                "job %d: %s written, %d bytes in %.3f s",
+                "job %d: %s written, %d bytes in %.3f s%s",
                 result.job,
                 record.persist.destination.data_file,
                 result.bytes,
                 result.seconds,
+                describe_stall(record.persist.client_timings),
             )
         else:
             self.stats["failed"] += 1

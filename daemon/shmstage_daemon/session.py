@@ -23,7 +23,16 @@ from typing import TYPE_CHECKING, Any
 from shmstage import datafile, names, segment, tree
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import MANIFEST_NAME
-from shmstage.protocol import PROTOCOL_VERSION, Connection, ErrorCode, Frame, ProtocolError, Role
+from shmstage.protocol import (
+    MAX_FDS_PER_FRAME,
+    PROTOCOL_VERSION,
+    REPORT_PARTS,
+    Connection,
+    ErrorCode,
+    Frame,
+    ProtocolError,
+    Role,
+)
 from shmstage_daemon import __version__, job
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.slot import Slot
@@ -35,9 +44,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shmstaged.session")
 
-#: Segment descriptors go out in groups this size, each group one frame.
-FDS_PER_FRAME = 253
+#: Segment descriptors go out in groups at most this size (one frame each), or smaller
+#: when the client says it can take fewer at a time (``register.max_fds``).
+FDS_PER_FRAME = MAX_FDS_PER_FRAME
 MAX_METADATA_ENTRIES = 10_000
+#: Jobs whose trainer may still report what the save cost it (a client that never
+#: reports, an older one, must not make this grow).
+MAX_UNREPORTED_JOBS = 64
 #: Acquires of one layout that may wait at once; more is a client loop gone wrong.
 MAX_WAITERS_PER_LAYOUT = 64
 
@@ -64,6 +77,10 @@ class Session:
         #: Commits sent while the client's copy still ran ("ready": false), by job id,
         #: until its "ready" starts them (or a cancel or disconnect drops them).
         self._prepared: dict[int, tuple[job.PersistJob, StagedLayout, Slot]] = {}
+        #: Jobs started for this client whose "report" may still come, oldest first.
+        self._unreported: collections.OrderedDict[int, job.PersistJob] = (
+            collections.OrderedDict()
+        )
         self.started = time.time()
 
     @property
@@ -187,6 +204,12 @@ class Session:
             frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
         )
         slots = frame.body.get("slots", self.daemon.settings.default_slots)
+        batch = frame.body.get("max_fds", FDS_PER_FRAME)
+        if not 1 <= batch <= FDS_PER_FRAME:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"register.max_fds {batch} must be 1..{FDS_PER_FRAME} descriptors per message",
+            )
         nbytes = self.store.reserve(self.id, layout, slots)
         try:
             self.daemon.check_capacity(nbytes)
@@ -214,10 +237,8 @@ class Session:
         await self.send(
             "registered", frame.id, {"layout": staged.id, "slots": slots, "segments": len(flat)}
         )
-        for first in range(0, len(flat), FDS_PER_FRAME):
-            fds = [
-                segment.open_fd(ref, writable=True) for ref in flat[first : first + FDS_PER_FRAME]
-            ]
+        for first in range(0, len(flat), batch):
+            fds = [segment.open_fd(ref, writable=True) for ref in flat[first : first + batch]]
             try:
                 await self.send("segment_fds", frame.id, {"layout": staged.id, "first": first}, fds)
             finally:
@@ -298,18 +319,9 @@ class Session:
         await self.send("released", frame.id, {"layout": staged.id})
 
     async def _op_commit(self, frame: Frame) -> None:
-        fds = frame.fds
-        if len(fds) != 3:
-            close_fds(fds)
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"commit needs 3 descriptors (directory, data file, manifest file), got {len(fds)}",
-            )
-        body = frame.body
         # From here the Destination owns the descriptors; every path closes it exactly once.
-        destination = job.Destination(
-            fds[0], fds[1], fds[2], body["data_file"], body["data_tmp"], body["manifest_tmp"]
-        )
+        destination = _destination(frame)
+        body = frame.body
         try:
             staged = self.store.get(self.id, body["layout"])
             slot = self.store.slot(staged, body["slot"])
@@ -363,6 +375,23 @@ class Session:
             return
         await self.send("prepared", frame.id, reply)
 
+    async def _op_report(self, frame: Frame) -> None:
+        """What a save cost the trainer, known only after its save() returned: for the
+        metrics, and for the job's log line if it is still being written. Never answered;
+        a report of a job this client did not commit (or reported already) is ignored."""
+        body = frame.body
+        persist = self._unreported.pop(body["job"], None)
+        if persist is None:
+            log.debug("%s reported unknown job %s; ignored", self.describe(), body["job"])
+            return
+        timings = {
+            name: value
+            for name in ("stall_seconds", *REPORT_PARTS)
+            if (value := _finite(body.get(name))) is not None and value >= 0
+        }
+        persist.client_timings = timings
+        self.daemon.telemetry.reported(timings)
+
     async def _op_ready(self, frame: Frame) -> None:
         """The client's copy into a prepared commit's slot is complete: start the job."""
         body = frame.body
@@ -387,11 +416,15 @@ class Session:
     def _start(
         self, persist: job.PersistJob, staged: StagedLayout, slot: Slot, timings: dict[str, Any]
     ) -> None:
+        """Start the job; ``timings``: what a client older than the "report" op sent."""
         self.daemon.telemetry.staged(
             staged.layout.nbytes,
             _finite(timings.get("stage_seconds")),
             _finite(timings.get("slot_wait_seconds")),
         )
+        self._unreported[persist.id] = persist
+        while len(self._unreported) > MAX_UNREPORTED_JOBS:
+            self._unreported.popitem(last=False)
         self.daemon.start_job(self, staged, slot, persist)
 
     def _drop_prepared(self, job_id: int) -> None:
@@ -402,10 +435,13 @@ class Session:
         self, job_id: int, persist: job.PersistJob, staged: StagedLayout, slot: Slot
     ) -> None:
         """A commit never acknowledged: a pending journal entry goes, the slot is the
-        client's again (FILLING), its descriptors are closed. Nothing was written."""
+        client's again (FILLING). Nothing was written; the temporary files (and pending
+        directory) the client made for it are removed — a trainer killed during its copy
+        cannot — only while they are still the very ones (same inode), in an I/O thread."""
         self.daemon.journal_discard(job_id)
         self.daemon.abandon_job(self.id, staged, slot, job_id)
-        persist.destination.close()
+        discarding = self.daemon.run_io(job.discard, persist.destination)
+        self.daemon._track(asyncio.ensure_future(discarding))
 
     def _journal_failed(self, exc: OSError) -> RequestError:
         return RequestError(
@@ -422,6 +458,8 @@ class Session:
                 raise names.NameError_(f"data file {data_file!r} must end in {datafile.SUFFIX}")
             names.check_temp_name(destination.data_tmp, data_file)
             names.check_temp_name(destination.manifest_tmp, MANIFEST_NAME)
+            if destination.pending:
+                self._check_pending(destination)
             dir_fd = destination.dir_fd
             dir_st = os.fstat(dir_fd)
             if not stat.S_ISDIR(dir_st.st_mode):
@@ -445,11 +483,93 @@ class Session:
                 ErrorCode.BAD_REQUEST, f"bad destination descriptor: {exc}"
             ) from None
 
+    def _check_pending(self, destination: job.Destination) -> None:
+        """A new directory: the parent is one the client may write, the pending directory is
+        the very one named there, and the final name is free.
+
+        In a sticky parent (/tmp) a user may rename only what it owns, and so may the
+        daemon on its behalf: a pending directory of someone else's is refused there.
+        """
+        names.check_pending_dir_name(destination.pending_dir)
+        names.check_final_dir_name(destination.final_dir)
+        parent = os.fstat(destination.parent_fd)
+        if not stat.S_ISDIR(parent.st_mode):
+            raise RequestError(ErrorCode.BAD_REQUEST, "first descriptor is not a directory")
+        if not may_write_dir(parent, self.peer):
+            raise RequestError(
+                ErrorCode.NOT_ALLOWED,
+                f"uid {self.peer.uid} cannot write the directory that would hold "
+                f"{destination.final_dir}, so shmstaged will not create it there on its behalf",
+            )
+        pending = os.fstat(destination.dir_fd)
+        try:
+            named = os.stat(
+                destination.pending_dir, dir_fd=destination.parent_fd, follow_symlinks=False
+            )
+        except FileNotFoundError:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"{destination.pending_dir} does not exist in the parent"
+            ) from None
+        if (named.st_dev, named.st_ino) != (pending.st_dev, pending.st_ino):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{destination.pending_dir} is not the directory whose descriptor came",
+            )
+        if parent.st_mode & stat.S_ISVTX and self.peer.uid not in (0, pending.st_uid):
+            raise RequestError(
+                ErrorCode.NOT_ALLOWED,
+                f"{destination.pending_dir} belongs to uid {pending.st_uid}, not {self.peer.uid}",
+            )
+        try:
+            os.stat(destination.final_dir, dir_fd=destination.parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        raise RequestError(
+            ErrorCode.EXISTS,
+            f"{destination.final_dir} already exists; shmstage never overwrites a checkpoint — "
+            "save to a new directory",
+        )
+
     async def job_finished(self, persist: job.PersistJob, result: job.JobResult) -> None:
         with contextlib.suppress(ConnectionError, TimeoutError, OSError):
             await self.send(
                 "job_done", 0, {"job": persist.id, "ok": result.ok, "result": result.to_wire()}
             )
+
+
+def _destination(frame: Frame) -> job.Destination:
+    """The commit's destination, owning its descriptors from here on: a new directory
+    (parent, pending directory, data, manifest) or an existing one (directory, data,
+    manifest), as the fields say."""
+    fds, body = frame.fds, frame.body
+    fields = ("pending_dir" in body) + ("final_dir" in body)
+    count, what = (
+        (4, "parent directory, pending directory, data file, manifest file")
+        if fields
+        else (3, "directory, data file, manifest file")
+    )
+    problem = (
+        "commit.pending_dir and commit.final_dir go together"
+        if fields == 1
+        else f"commit needs {count} descriptors ({what}), got {len(fds)}"
+        if len(fds) != count
+        else ""
+    )
+    if problem:
+        close_fds(fds)
+        raise RequestError(ErrorCode.BAD_REQUEST, problem)
+    names_ = (body["data_file"], body["data_tmp"], body["manifest_tmp"])
+    if not fields:
+        return job.Destination(fds[0], fds[1], fds[2], *names_)
+    return job.Destination(
+        fds[1],
+        fds[2],
+        fds[3],
+        *names_,
+        parent_fd=fds[0],
+        pending_dir=body["pending_dir"],
+        final_dir=body["final_dir"],
+    )
 
 
 def _check_file_fd(name: str, fd: int, dir_fd: int) -> os.stat_result:

@@ -63,10 +63,13 @@ class Telemetry:
         r.counter("errors_total", "Errors answered to clients or hit by jobs, by code.",
                   labelled=True)
         r.counter("registrations_total", "Layouts registered (segments created).")
-        r.histogram("stage_seconds", "Training stall: the client's copy into shared memory "
+        r.histogram("stall_seconds", "Training stall: the wall-clock time of save() on the "
+                    "trainer's thread (reported by the client after save() returned).",
+                    SECOND_BUCKETS)
+        r.histogram("copy_seconds", "The client's copy into shared memory, part of the stall "
                     "(reported by the client).", SECOND_BUCKETS)
-        r.histogram("slot_wait_seconds", "Time a client waited for a free slot (reported by "
-                    "the client).", SECOND_BUCKETS)
+        r.histogram("slot_wait_seconds", "Time a client waited for a free slot, part of the "
+                    "stall (reported by the client).", SECOND_BUCKETS)
         r.histogram("persist_seconds", "Time a writer took to make a checkpoint durable.",
                     SECOND_BUCKETS)
         r.histogram("save_bytes", "Size of each written checkpoint.", BYTE_BUCKETS)
@@ -87,12 +90,19 @@ class Telemetry:
     # -- events ------------------------------------------------------------------
 
     def staged(self, nbytes: int, stage_seconds: float | None, slot_wait: float | None) -> None:
-        """A client committed a slot; the timings are its own report (absent from old clients)."""
+        """A client committed a slot. Clients older than the "report" op sent their copy
+        and slot-wait times with the commit (``stage_seconds``); newer ones report later."""
         self.registry.inc("bytes_staged_total", nbytes)
         if plausible(stage_seconds):
-            self.registry.observe("stage_seconds", float(stage_seconds))
+            self.registry.observe("copy_seconds", float(stage_seconds))
         if plausible(slot_wait):
             self.registry.observe("slot_wait_seconds", float(slot_wait))
+
+    def reported(self, timings: dict[str, float]) -> None:
+        """A client said what a committed save cost it, once its save() had returned."""
+        for name in ("stall_seconds", "copy_seconds", "slot_wait_seconds"):
+            if plausible(timings.get(name)):
+                self.registry.observe(name, timings[name])
 
     def registered(self) -> None:
         self.registry.inc("registrations_total")
@@ -136,3 +146,16 @@ class Telemetry:
         for name, value in gauges.items():
             self.registry.set(name, value)
         return self.registry.snapshot()
+
+
+def describe_stall(timings: dict[str, float]) -> str:
+    """A job's log-line tail: what the save cost the trainer, when its client reported it
+    before the job ended (it reports only after ``save()`` returned)."""
+    if "stall_seconds" not in timings:
+        return ""
+    parts = ", ".join(
+        f"{name.removesuffix('_seconds').replace('_', ' ')} {timings[name]:.3f} s"
+        for name in ("copy_seconds", "slot_wait_seconds", "setup_seconds", "commit_seconds")
+        if name in timings
+    )
+    return f"; trainer stall {timings['stall_seconds']:.3f} s" + (f" ({parts})" if parts else "")

@@ -273,7 +273,7 @@ def test_fail_fast_when_every_slot_is_busy(daemon, ckpt: Path) -> None:
         for h in handles:
             h.wait(60)
     assert failures == 1
-    assert not any(p.name.endswith(".safetensors") for p in (ckpt / f"again-{i}").iterdir())
+    assert not (ckpt / f"again-{i}").exists()  # a refused save leaves no directory behind
 
 
 def test_a_corrupted_file_is_caught_naming_key_and_file(daemon, ckpt: Path) -> None:
@@ -376,6 +376,53 @@ print("ok")
         timeout=180,
     )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_each_batch_of_descriptors_fits_what_the_client_can_take(daemon, ckpt: Path) -> None:
+    """With ``ulimit -n 256`` a state dict of 125 or more tensors (x 2 slots) could not be
+    saved: the daemon sent 253 descriptors per message, more than the trainer had free,
+    and the error blamed a leak. The client now says how many it can take per message."""
+    code = """
+import resource, sys, torch
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from shmstage_client import Stager, load
+state = {f"t{i}": torch.full((3,), float(i)) for i in range(200)}
+with Stager(sys.argv[1], slots=2) as st:
+    st.save(state, sys.argv[2]).wait(120)
+back = load(sys.argv[2])
+assert all(torch.equal(back[k], v) for k, v in state.items())
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_descriptor_limit_too_low_to_work_names_the_limit_to_raise(daemon, ckpt: Path) -> None:
+    code = """
+import os, resource, sys, torch
+from shmstage_client import SaveError, Stager
+stager = Stager(sys.argv[1])
+in_use = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 20, in_use + 20))
+try:
+    stager.save({"w": torch.ones(3)}, sys.argv[2])
+except SaveError as exc:
+    print("REFUSED", exc)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.stdout.startswith("REFUSED"), out.stderr[-2000:]
+    assert "RLIMIT_NOFILE is" in out.stdout and "raise the limit to at least" in out.stdout
+    assert not (ckpt / "c").exists()
 
 
 def test_a_large_layout_is_created_on_several_threads_and_saved_exactly(daemon, ckpt: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 from harness import RunningDaemon, packages_imported_by, start_daemon
 from shmstage_client import Stager
 
-from shmstage import checkpoint, instance, segment
+from shmstage import checkpoint, instance, names, segment
 from shmstage.manifest import MANIFEST_NAME
 
 WAIT_S = 30.0
@@ -104,11 +104,13 @@ def test_status_ls_gc_and_metrics_against_a_live_daemon_with_two_clients(
         assert watch.count("JOBS IN FLIGHT (1)") == 2
         assert re.search(r"\[#+\.+\]\s+50\.0%", watch)
 
-        # -- ls: the finished checkpoint is complete, the held one partial.
+        # -- ls: the finished checkpoint is complete; the held one is still a hidden
+        # pending directory (as are the trainers' spares), which is not a checkpoint.
         listed = {c["path"]: c for c in json.loads(shmstage("ls", str(ckpt), "--json").stdout)}
         assert listed[str(ckpt / "step-100")]["state"] == "complete"
         assert listed[str(ckpt / "step-100")]["step"] == 100
-        assert listed[str(ckpt / "step-200")]["state"] == "partial"
+        assert list(listed) == [str(ckpt / "step-100")]
+        assert any(names.is_pending_dir(p.name) for p in ckpt.iterdir())
 
         # -- gc: reaps a dead instance, never the live daemon's segments.
         live_before = sorted(daemon.segments())
@@ -131,7 +133,8 @@ def test_status_ls_gc_and_metrics_against_a_live_daemon_with_two_clients(
         text = shmstage("metrics", "--socket", sock).stdout
         assert 'shmstage_saves_total{result="ok"} 2' in text
         assert "# TYPE shmstage_persist_seconds histogram" in text
-        assert "shmstage_stage_seconds_count 2" in text
+        assert "shmstage_stall_seconds_count 2" in text  # reported after save() returned
+        assert "shmstage_copy_seconds_count 2" in text
         assert 'shmstage_persist_seconds_bucket{le="+Inf"} 2' in text
         assert "shmstage_clients 3" in text  # two trainers and this command
         sample = re.compile(r"^[a-z_]+(\{[^}]*\})? -?[0-9.e+]+$")

@@ -12,6 +12,7 @@ from shmstage.protocol import (
     MAX_DECODED_CONTAINERS,
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
+    REPORT_PARTS,
     SMALL_FRAME_BYTES,
     Connection,
     ErrorCode,
@@ -19,6 +20,7 @@ from shmstage.protocol import (
     Role,
     chunk_fds,
     encode_frame,
+    pack_map,
 )
 
 HELLO = {"version": PROTOCOL_VERSION, "client": "test", "pid": 1}
@@ -283,3 +285,57 @@ def test_client_side_checks_daemon_frames() -> None:
     with pytest.raises(ProtocolError) as info:
         client.next_frame()
     assert info.value.code is ErrorCode.UNKNOWN_OP
+
+
+def test_prepacked_fields_encode_exactly_as_packing_them_here() -> None:
+    """A commit's tree is packed once while the state dict is checked, then spliced in."""
+    body = {"layout": 1, "slot": 0, "data_file": "model.safetensors"}
+    tree = {"d": [["w", {"T": "w"}], ["step", 2**64 - 1]]}
+    spliced = encode_frame(
+        "commit", 5, body, 3, max_bytes=1 << 20, prepacked={"tree": msgpack.packb(tree)}
+    )
+    assert spliced == encode_frame("commit", 5, {**body, "tree": tree}, 3, max_bytes=1 << 20)
+    # A prepacked value for a key that is already there replaces it in place.
+    assert pack_map({"a": 1, "b": 2}, {"a": msgpack.packb("x")}) == msgpack.packb(
+        {"a": "x", "b": 2}
+    )
+    with pytest.raises(ValueError, match="frame limit"):
+        encode_frame("commit", 5, body, max_bytes=64, prepacked={"tree": b"\xc0" * 100})
+
+
+def test_report_is_a_client_op_with_optional_parts() -> None:
+    client, daemon = greeted_daemon_side()
+    daemon.receive_data(client.send("report", 2, {"job": 4, "stall_seconds": 0.25}))
+    assert daemon.next_frame().body == {"job": 4, "stall_seconds": 0.25}
+    parts = {name: 0.01 for name in REPORT_PARTS}
+    daemon.receive_data(client.send("report", 3, {"job": 4, "stall_seconds": 1, **parts}))
+    assert daemon.next_frame().body["copy_seconds"] == 0.01
+    daemon.receive_data(client.send("report", 4, {"job": 4}))  # the stall is the point
+    with pytest.raises(ProtocolError, match="lacks field 'stall_seconds'"):
+        daemon.next_frame()
+
+
+def test_register_may_say_how_many_descriptors_the_client_takes_per_message() -> None:
+    client, daemon = greeted_daemon_side()
+    body = {"tensors": [["w", "F32", [2], None]], "max_fds": 100}
+    daemon.receive_data(client.send("register", 2, body))
+    assert daemon.next_frame().body["max_fds"] == 100
+    daemon.receive_data(client.send("register", 3, {**body, "max_fds": "many"}))
+    with pytest.raises(ProtocolError, match=r"register\.max_fds must be int"):
+        daemon.next_frame()
+
+
+def test_a_commit_may_name_a_pending_directory_and_its_final_name() -> None:
+    client, daemon = greeted_daemon_side()
+    body = {
+        "layout": 1,
+        "slot": 0,
+        "data_file": "model.safetensors",
+        "data_tmp": ".model.safetensors.0123456789abcdef.shmstage-tmp",
+        "manifest_tmp": ".shmstage-manifest.json.0123456789abcdef.shmstage-tmp",
+        "pending_dir": ".shmstage-pending.0123456789abcdef",
+        "final_dir": "step-100",
+        "tree": None,
+    }
+    daemon.receive_data(client.send("commit", 2, body))
+    assert daemon.next_frame().body["final_dir"] == "step-100"

@@ -120,3 +120,11 @@ def test_malformed_encodings_are_rejected() -> None:
     for bad in [{"x": 1}, {"d": [[1]]}, {"T": 5}, {"l": 3}, [1, 2]]:
         with pytest.raises(tree.TreeError):
             tree.unflatten(bad, lambda k: None)
+
+
+def test_the_tree_points_at_the_value_a_predicate_picks() -> None:
+    encoded, _ = tree.flatten({"a": [1, {"b": 2, 3: "c"}], "d": None}, lambda v: False)
+    assert tree.find(encoded, lambda v: v == "c") == ["a", 1, 3]
+    assert tree.find(encoded, lambda v: v == 3) == ["a", 1, 3]  # an int dict key
+    assert tree.find(encoded, lambda v: v == "nowhere") is None
+    assert tree.show(["a", 1, 3]) == "state_dict['a'][1][3]"

@@ -207,3 +207,43 @@ def test_a_stop_mid_stream_interrupts_the_job_and_keeps_its_files(
     assert len(left) == 2 and all(names.is_temp(name) for name in left), left
     data = next(tmp_path / "c" / name for name in left if "model" in name)
     assert data.read_bytes()[len(persist.header) : len(persist.header) + 100] == pattern(0, 100)
+
+
+@pytest.mark.parametrize("renameat2", ["kernel", "refused"])
+def test_publishing_a_directory_never_replaces_anything_that_holds_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: str
+) -> None:
+    """``rename_noreplace`` with renameat2(RENAME_NOREPLACE), and with its fallback for a
+    filesystem or C library that refuses it — simulated by hiding renameat2, since no such
+    filesystem is at hand: a file or a non-empty directory under the new name stays."""
+    if renameat2 == "refused":
+        monkeypatch.setattr(job, "_renameat2", None)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "pending").mkdir()
+        (tmp_path / "a-file").write_text("kept")
+        (tmp_path / "full").mkdir()
+        (tmp_path / "full" / "theirs").write_text("kept")
+        for taken in ("a-file", "full"):
+            with pytest.raises(FileExistsError):
+                job.rename_noreplace(dir_fd, "pending", taken)
+        assert (tmp_path / "a-file").read_text() == "kept"
+        assert os.listdir(tmp_path / "full") == ["theirs"]
+        job.rename_noreplace(dir_fd, "pending", "published")
+        assert sorted(os.listdir(tmp_path)) == ["a-file", "full", "published"]
+    finally:
+        os.close(dir_fd)
+
+
+def test_a_new_directory_is_published_by_rename_and_undone_on_failure(
+    tmp_path: Path, instance_id: str
+) -> None:
+    tensors = [(TensorSpec("w", "U8", (5,)), b"hello")]
+    persist = staged_job(tmp_path / "c", instance_id, tensors, new=True)
+    assert job.run(persist).ok
+    assert os.listdir(tmp_path) == ["c"] and checkpoint.verify(tmp_path / "c") == []
+    failing = staged_job(tmp_path / "d", instance_id, tensors, new=True)
+    (tmp_path / "d").mkdir()  # the final name is taken meanwhile
+    result = job.run(failing)
+    assert not result.ok and result.code == "exists", result.message
+    assert sorted(os.listdir(tmp_path)) == ["c", "d"] and os.listdir(tmp_path / "d") == []

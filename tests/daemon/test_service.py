@@ -308,12 +308,19 @@ def test_metrics_are_served_on_localhost_http(tmp_path: Path, ckpt: Path) -> Non
         with Stager(daemon.socket) as stager:
             stager.save({"w": torch.ones(1 << 16)}, ckpt / "a").wait(WAIT_S)
         wait_for(lambda: "metrics: serving" in daemon.log(), "the metrics endpoint")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            text = reply.read().decode()
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+                assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                return reply.read().decode()
+
+        # The stall is reported after save() returned, on the connection the Stager closed
+        # since: the daemon may read it a moment after the scrape.
+        wait_for(lambda: "shmstage_stall_seconds_count 1" in scrape(), "the reported stall")
+        text = scrape()
         assert 'shmstage_saves_total{result="ok"} 1' in text
         assert "shmstage_persist_seconds_count 1" in text
-        assert "shmstage_stage_seconds_count 1" in text
+        assert "shmstage_copy_seconds_count 1" in text
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=10)
         assert info.value.code == 404

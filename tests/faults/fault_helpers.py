@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shmstage import checkpoint, instance, segment
+from shmstage import checkpoint, instance, names, segment
 
 if TYPE_CHECKING:  # trainer.py imports this module without the tests' harness on its path
     from harness import RunningDaemon
@@ -81,6 +81,19 @@ def assert_not_torn(path: Path) -> None:
 
 def published_files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
+
+
+def pending_dirs(parent: Path) -> list[str]:
+    """Hidden pending directories of saves (or spares) in ``parent`` (see shmstage.names)."""
+    return sorted(p.name for p in parent.iterdir() if names.is_pending_dir(p.name))
+
+
+def writing_dir(parent: Path) -> Path:
+    """The pending directory a job is writing into now (a spare's data file is empty)."""
+    for name in pending_dirs(parent):
+        if any(p.stat().st_size > 0 for p in (parent / name).iterdir()):
+            return parent / name
+    raise AssertionError(f"no pending directory being written in {parent}")
 
 
 def assert_not_published(path: Path) -> None:

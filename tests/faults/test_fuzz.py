@@ -124,17 +124,22 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "file_metadata": st.dictionaries(st.text(max_size=6), st.text(max_size=6) | values),
     "stage_seconds": seconds,
     "slot_wait_seconds": seconds,
+    "stall_seconds": seconds,
+    "copy_seconds": seconds,
+    "job": st.integers(-1, 10),
+    "max_fds": st.integers(-1, 300),
     "status": values,
     "limits": values,
 }
 OPS: dict[str, list[str]] = {
     "hello": ["version", "client", "pid"],
-    "register": ["tensors", "slots"],
+    "register": ["tensors", "slots", "max_fds"],
     "acquire": ["layout", "wait", "timeout"],
     "cancel": ["layout", "slot"],
     "commit": ["layout", "slot", "data_file", "data_tmp", "manifest_tmp", "tree", "metadata",
                "file_metadata", "stage_seconds", "slot_wait_seconds"],
     "release": ["layout"],
+    "report": ["job", "stall_seconds", "copy_seconds"],
     "status": [],
     "metrics": [],
     "welcome": ["version", "limits"],  # a daemon's op, from a client
@@ -170,12 +175,16 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "file_metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
     "stage_seconds": st.floats(0, 10),
     "slot_wait_seconds": st.floats(0, 10),
+    "stall_seconds": st.floats(0, 10),
+    "copy_seconds": st.floats(0, 10),
+    "job": st.integers(0, 6),
+    "max_fds": st.integers(1, 253),
 }
 #: Weighted towards the ops that lead somewhere: register, acquire, commit.
 CLIENT_OPS = [
     *["register"] * 2,
     *["acquire", "commit"] * 3,
-    *["cancel", "release", "status", "metrics"],
+    *["cancel", "release", "status", "metrics", "report"],
 ]
 #: Ops the daemon answers at once (acquire only when it need not wait for a slot).
 ANSWERED_AT_ONCE = {"register", "cancel", "commit", "release", "status", "metrics"}
@@ -189,7 +198,7 @@ def plausible_frame(
     the fuzz then reaches registration, slots, commits and the writer, in any order."""
     op = op or draw(st.sampled_from(CLIENT_OPS))
     message: dict[str, Any] = {"op": op, "id": draw(st.integers(1, 1000)), "nfds": 0}
-    optional = ("stage_seconds", "slot_wait_seconds", "file_metadata", "metadata")
+    optional = ("stage_seconds", "slot_wait_seconds", "file_metadata", "metadata", "max_fds")
     for name in OPS[op]:
         if name not in optional or draw(st.booleans()):
             message[name] = draw(PLAUSIBLE[name])

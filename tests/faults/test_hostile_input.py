@@ -316,6 +316,81 @@ def test_a_prepared_commit_that_never_gets_ready_is_dropped(daemon, ckpt: Path, 
         committer.raw.close()
         wait_for(lambda: daemon.segments() == [], 10, "the client's segments to go")
     wait_for(lambda: _journal(daemon) == [], 10, "the pending entry to go")
-    assert not [n for n in os.listdir(ckpt / "c") if not names.is_temp(n)]  # nothing published
+    # Nothing published, and the temporary files the client made are gone: a trainer
+    # killed during its copy cannot remove them itself.
+    wait_for(lambda: os.listdir(ckpt / "c") == [], 10, "the temporary files to go")
     if how == "cancel":
         committer.raw.close()
+
+
+PENDING = ".shmstage-pending.0123456789abcdef"
+
+
+def pending_destination(parent: Path, name: str = PENDING) -> list[int]:
+    """A new directory's descriptors, as the client makes them: the parent, the hidden
+    pending directory in it, and the two temporary files inside."""
+    parent.mkdir(exist_ok=True)
+    parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    return [parent_fd, *destination(parent / name)]
+
+
+def test_a_new_directory_is_published_by_renaming_its_pending_one(daemon, ckpt: Path) -> None:
+    committer = Committer(daemon.socket)
+    frame = committer.commit(
+        pending_destination(ckpt), pending_dir=PENDING, final_dir="step-1"
+    )
+    assert frame.op == "committed", frame.body
+    assert committer.job_done().body["ok"]
+    assert os.listdir(ckpt) == ["step-1"]
+    assert checkpoint.verify(ckpt / "step-1") == []
+    committer.raw.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"pending_dir": "victim", "final_dir": "c"}, "is not .shmstage-pending"),
+        ({"pending_dir": "../" + PENDING, "final_dir": "c"}, "not a plain file name"),
+        ({"pending_dir": PENDING, "final_dir": ".."}, "not a plain file name"),
+        ({"pending_dir": PENDING, "final_dir": "a/b"}, "not a plain file name"),
+        ({"pending_dir": PENDING, "final_dir": PENDING[:-1] + "0"}, "has a temporary name"),
+        ({"pending_dir": PENDING, "final_dir": ".x.shmstage-tmp"}, "has a temporary name"),
+        ({"pending_dir": PENDING}, "go together"),
+        ({"final_dir": "c"}, "go together"),
+    ],
+)
+def test_pending_and_final_directory_names_that_could_escape_are_refused(
+    daemon, ckpt: Path, outside: Path, fields: dict, why: str
+) -> None:
+    baseline = daemon.fd_count()
+    committer = Committer(daemon.socket)
+    frame = committer.commit(pending_destination(ckpt), **fields)
+    assert frame.body["code"] == "bad_request" and why in frame.body["message"], frame.body
+    assert untouched(outside) and os.listdir(ckpt) == [PENDING]
+    committer.raw.close()
+    wait_for(lambda: daemon.fd_count() == baseline, 10, "the daemon's fds back to baseline")
+
+
+def test_a_pending_directory_must_be_the_one_named(daemon, ckpt: Path, outside: Path) -> None:
+    committer = Committer(daemon.socket)
+    # The name in the parent is a symlink to the directory whose descriptor came.
+    fds = pending_destination(ckpt / "a")
+    os.rename(ckpt / "a" / PENDING, outside.parent / "moved")
+    os.symlink(outside.parent / "moved", ckpt / "a" / PENDING)
+    frame = committer.commit(fds, pending_dir=PENDING, final_dir="c")
+    assert "is not the directory whose descriptor came" in frame.body["message"], frame.body
+    # Three descriptors where a new directory needs four.
+    fds = pending_destination(ckpt / "b")
+    os.close(fds.pop(0))
+    frame = committer.commit(fds, pending_dir=PENDING, final_dir="c")
+    assert "needs 4 descriptors" in frame.body["message"], frame.body
+    assert outside.read_bytes() == b"precious" and not (ckpt / "a" / "c").exists()
+
+
+def test_a_final_name_already_there_is_refused_before_the_ack(daemon, ckpt: Path) -> None:
+    committer = Committer(daemon.socket)
+    (ckpt / "c").mkdir()
+    (ckpt / "c" / "theirs").write_text("kept")
+    frame = committer.commit(pending_destination(ckpt), pending_dir=PENDING, final_dir="c")
+    assert frame.body["code"] == "exists" and "never overwrites" in frame.body["message"]
+    assert os.listdir(ckpt / "c") == ["theirs"]

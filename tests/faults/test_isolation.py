@@ -19,8 +19,6 @@ from fault_helpers import (
 from harness import RawClient, wait_for
 from shmstage_client import Stager, StagingLimitExceeded
 
-from shmstage import checkpoint
-
 
 def test_a_uid_outside_the_allowlist_is_refused_clearly(daemons, world: Path) -> None:
     daemon = daemons(where=world / "d")
@@ -129,6 +127,52 @@ def test_a_non_root_user_cannot_make_the_daemon_write_where_it_cannot(
     assert all((protected / n).stat().st_size == 0 for n in tmp_names)
 
 
+def test_in_a_sticky_directory_nobody_renames_another_users_directory(
+    daemons, world: Path
+) -> None:
+    """In a sticky directory (/tmp) a user may rename only its own entries. nobody commits
+    root's directory there as its "pending directory" — writable inside, so its files
+    pass — hoping the root daemon renames it on its behalf; the daemon refuses."""
+    daemon = admitting_nobody(daemons, world)
+    sticky = world / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    pending = sticky / ".shmstage-pending.0123456789abcdef"
+    pending.mkdir()
+    pending.chmod(0o777)  # root's, but anyone may create files in it
+    out = run_as(
+        f"""
+        client = Stager("{daemon.socket}")
+        conn = client._connection
+        reply = conn.start("register", {{"tensors": [["w", "F32", [4], None]], "slots": 1}})
+        layout = reply.next(10).body["layout"]
+        for fd in reply.next(10).fds:
+            os.close(fd)
+        reply.finish()
+        slot = conn.call("acquire", {{"layout": layout, "wait": False, "timeout": None}},
+                         timeout=10).body["slot"]
+        names = (".model.safetensors.0123456789abcdef.shmstage-tmp",
+                 ".shmstage-manifest.json.0123456789abcdef.shmstage-tmp")
+        parent_fd = os.open("{sticky}", os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = os.open("{pending}", os.O_RDONLY | os.O_DIRECTORY)
+        fds = [parent_fd, dir_fd] + [
+            os.open(n, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd) for n in names
+        ]
+        try:
+            conn.call("commit", {{"layout": layout, "slot": slot, "data_file": "model.safetensors",
+                      "data_tmp": names[0], "manifest_tmp": names[1],
+                      "pending_dir": "{pending.name}", "final_dir": "taken",
+                      "tree": {{"T": "w"}}, "metadata": {{}}, "file_metadata": {{}}}},
+                      fds, timeout=10)
+            print("ACCEPTED")
+        except SaveError as exc:
+            print("REFUSED", exc)
+        """
+    )
+    assert "REFUSED" in out and "[not_allowed]" in out and "belongs to uid 0" in out, out
+    assert sorted(os.listdir(sticky)) == [pending.name]
+
+
 def small(seed: int) -> dict:
     return make_state(seed, numel=1 << 12)
 
@@ -161,6 +205,7 @@ def test_per_client_limits_are_enforced_and_spare_other_clients(daemons, tmp_pat
             daemon.wait_log("fault: pausing at mid-stream")
             with pytest.raises(StagingLimitExceeded, match=r"being written \(limit 1\)"):
                 busy.save(small(4), tmp_path / "second")
+            assert not (tmp_path / "second").exists()  # refused: nothing made for it
             # ...while another client, under its own limits, saves as if nothing happened.
             neighbour.save(single_tensor_state(5), tmp_path / "neighbour").wait(60)
             first.wait(60)
@@ -170,5 +215,5 @@ def test_per_client_limits_are_enforced_and_spare_other_clients(daemons, tmp_pat
     assert_checkpoint_equals(tmp_path / "second", small(4))
     assert_checkpoint_equals(tmp_path / "neighbour", single_tensor_state(5))
     for name in ("bytes", "segments"):
-        assert not checkpoint.is_complete(tmp_path / name)
+        assert not (tmp_path / name).exists()
     wait_for(lambda: daemon.segments() == [], 10, "every client's segments to go")

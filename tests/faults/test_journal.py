@@ -8,21 +8,24 @@ import os
 from pathlib import Path
 
 import harness
+import msgpack
 import pytest
 from fault_helpers import NOBODY, require_root
 from shmstage_daemon import job, journal
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.store import SlotWire
 
-from shmstage import checkpoint, instance, segment
+from shmstage import checkpoint, instance, names, segment
 from shmstage.layout import TensorSpec
 from shmstage.manifest import MANIFEST_NAME
 
 ROOT = Peer(1, 0, 0, frozenset({0}))
 
 
-def staged_job(directory: Path, instance_id: str, *, peer: Peer = ROOT) -> job.PersistJob:
-    """A committed two-tensor job as the daemon holds it."""
+def staged_job(
+    directory: Path, instance_id: str, *, peer: Peer = ROOT, new: bool = False
+) -> job.PersistJob:
+    """A committed two-tensor job as the daemon holds it (``new``: to a new directory)."""
     return harness.staged_job(
         directory,
         instance_id,
@@ -31,6 +34,7 @@ def staged_job(directory: Path, instance_id: str, *, peer: Peer = ROOT) -> job.P
             (TensorSpec("b", "I32", (2,)), b"\x01\x00\x00\x00\x02\x00\x00\x00"),
         ],
         peer=peer,
+        new=new,
     )
 
 
@@ -177,3 +181,80 @@ def test_reapers_hold_back_what_a_journal_owes(tmp_path: Path) -> None:
             segment.unlink(name)
         if os.path.exists(instance.lock_path(dead.instance)):
             os.unlink(instance.lock_path(dead.instance))
+
+
+# -- a new directory: written pending, published by rename -----------------------------
+
+
+def test_a_new_directory_s_entry_records_the_parent_and_both_names(
+    tmp_path: Path, instance_id
+) -> None:
+    persist = staged_job(tmp_path / "c", instance_id, new=True)
+    entry = entry_of(persist, instance_id)
+    dest = persist.destination
+    parent = os.stat(tmp_path)
+    assert entry.directory == str(tmp_path) and entry.final_dir == "c"
+    assert entry.directory_id == (parent.st_dev, parent.st_ino)
+    assert entry.pending_dir == dest.pending_dir and names.is_pending_dir(entry.pending_dir)
+    assert journal.Entry.from_bytes(entry.to_bytes()) == entry
+    dest.close()
+
+
+@pytest.mark.parametrize("killed", ["before writing", "after the manifest", "after the rename"])
+def test_a_new_directory_is_finished_whatever_step_the_daemon_was_killed_at(
+    tmp_path: Path, instance_id, killed: str
+) -> None:
+    persist = staged_job(tmp_path / "c", instance_id, new=True)
+    entry = entry_of(persist, instance_id)
+    dest = persist.destination
+    if killed != "before writing":
+        assert job.run(persist).ok  # the whole job ran: published as "c"...
+        if killed == "after the manifest":  # ...put it back where a kill before the rename
+            os.rename(tmp_path / "c", tmp_path / dest.pending_dir)  # would have left it
+    else:
+        dest.close()
+    result = journal.recover(entry)
+    assert result.ok, result.message
+    assert os.listdir(tmp_path) == ["c"]
+    assert checkpoint.verify(tmp_path / "c") == []
+
+
+def test_a_new_directory_s_pending_directory_must_still_be_the_one(
+    tmp_path: Path, instance_id
+) -> None:
+    persist = staged_job(tmp_path / "c", instance_id, new=True)
+    entry = entry_of(persist, instance_id)
+    pending = tmp_path / persist.destination.pending_dir
+    persist.destination.close()
+    pending.rename(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", pending)  # same name, now a symlink to it
+    result = journal.recover(entry)
+    assert not result.ok and "the checkpoint's directory is gone" in result.message
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_final_name_taken_meanwhile_fails_the_job_and_is_left_alone(
+    tmp_path: Path, instance_id
+) -> None:
+    persist = staged_job(tmp_path / "c", instance_id, new=True)
+    entry = entry_of(persist, instance_id)
+    persist.destination.close()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "theirs").write_text("kept")
+    result = journal.recover(entry)
+    assert not result.ok and result.code == "exists", result.message
+    assert os.listdir(tmp_path) == ["c"]  # the pending directory went, theirs stayed
+    assert os.listdir(tmp_path / "c") == ["theirs"]
+
+
+def test_entries_written_before_new_directories_were_renamed_still_load(
+    tmp_path: Path, instance_id
+) -> None:
+    persist = staged_job(tmp_path / "c", instance_id)
+    entry = entry_of(persist, instance_id)
+    persist.destination.close()
+    older = msgpack.unpackb(entry.to_bytes(), raw=False, strict_map_key=False)
+    for key in ("pending_dir", "pending_id", "final_dir"):
+        del older[key]
+    older["v"] = 1
+    assert journal.Entry.from_bytes(msgpack.packb(older, use_bin_type=True)) == entry

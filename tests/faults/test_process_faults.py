@@ -30,6 +30,7 @@ from fault_helpers import (
     journal_entries,
     kill,
     make_state,
+    pending_dirs,
     read_marker,
     single_tensor_state,
     start_trainer,
@@ -41,6 +42,7 @@ from shmstage import checkpoint, names, segment
 from shmstage.manifest import MANIFEST_NAME
 
 PAUSE = "60"  # longer than any test waits: the SIGKILL, not the pause, ends the window
+DATA = "model.safetensors"
 
 
 # -- the trainer dies ------------------------------------------------------------------
@@ -57,7 +59,10 @@ def test_a_trainer_killed_during_the_copy_leaves_nothing(daemons, tmp_path: Path
     wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
     # Its commit, sent ahead of the copy, was only journaled pending; that entry goes too.
     wait_for(lambda: journal_entries(daemon) == [], 10, "the pending entry to go")
-    assert_not_published(tmp_path / "victim")
+    # And the daemon, which had its descriptors, removed the pending directory and the
+    # temporary files the trainer made for it (the trainer could not).
+    wait_for(lambda: pending_dirs(tmp_path) == [], 10, "the dead save's pending directory")
+    assert not (tmp_path / "victim").exists()
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(1))
     with Stager(daemon.socket) as stager:  # the daemon serves on
         stager.save(make_state(5), tmp_path / "after").wait(60)
@@ -128,8 +133,8 @@ def test_daemon_killed_during_registration(daemons, tmp_path: Path) -> None:
     assert not thread.is_alive(), "save() hung on a dead daemon"
     assert isinstance(outcome[0], SaveError), outcome
     assert time.monotonic() - killed_at < 10
-    assert_not_published(tmp_path / "victim")
-    assert not any((tmp_path / "victim").iterdir())  # the client removed its temporary files
+    # The client removed what it made: the pending directory and its temporary files.
+    assert not (tmp_path / "victim").exists() and pending_dirs(tmp_path) == []
     stager.close(timeout=1)
     assert len(daemon.segments()) >= 1  # SIGKILL left them
     restarted = daemons()
@@ -137,6 +142,26 @@ def test_daemon_killed_during_registration(daemons, tmp_path: Path) -> None:
     with Stager(restarted.socket) as fresh:
         fresh.save(make_state(6), tmp_path / "again").wait(60)
     assert_checkpoint_equals(tmp_path / "again", make_state(6))
+
+
+def test_a_save_whose_daemon_dies_during_the_copy_leaves_nothing(daemons, tmp_path: Path) -> None:
+    """The daemon is SIGKILLed while the trainer copies (its commit already sent): save()
+    raises, and the trainer removes the pending directory and files it made."""
+    daemon = daemons()
+    stager = Stager(daemon.socket)
+    stager.save(single_tensor_state(11), tmp_path / "base").wait(60)
+    copy = stager._copier.copy
+
+    def killed_meanwhile(*args: object, **kwargs: object) -> None:
+        daemon.kill()
+        copy(*args, **kwargs)
+
+    stager._copier.copy = killed_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(SaveError):
+        stager.save(make_state(11), tmp_path / "victim")
+    stager.close(timeout=1)
+    assert not (tmp_path / "victim").exists() and pending_dirs(tmp_path) == []
+    assert_checkpoint_equals(tmp_path / "base", single_tensor_state(11))
 
 
 def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path) -> None:
@@ -181,9 +206,11 @@ def test_an_acknowledged_checkpoint_survives_a_daemon_sigkill(
     daemon.wait_log(f"fault: pausing at {point}")
     assert len(journal_entries(daemon)) == 1
     victim = tmp_path / "victim"
+    # A new directory is written as a hidden pending one, published only once complete.
+    assert not victim.exists()
     if point == "before-manifest":  # the data file is complete under its final name...
-        assert (victim / "model.safetensors").exists()
-    assert not (victim / MANIFEST_NAME).exists()  # ...but nothing is committed
+        (written,) = [d for d in pending_dirs(tmp_path) if (tmp_path / d / DATA).exists()]
+        assert not (tmp_path / written / MANIFEST_NAME).exists()  # ...but nothing is committed
     killed_at = time.monotonic()
     daemon.kill()
     with pytest.raises(SaveError):
@@ -250,8 +277,9 @@ def test_a_stop_past_its_timeout_keeps_the_checkpoint_for_the_next_start(
     log = daemon.log()
     assert "did not finish within 0 s; stopping their writers" in log, log
     assert "stopped while writing" in log or "stopped before the checkpoint" in log, log
-    assert not checkpoint.is_complete(tmp_path / "victim")
-    temps = [p.name for p in (tmp_path / "victim").iterdir() if names.is_temp(p.name)]
+    assert not (tmp_path / "victim").exists()  # a new directory: still pending
+    (pending,) = pending_dirs(tmp_path)  # the job's (close() removed the Stager's spare)
+    temps = [p.name for p in (tmp_path / pending).iterdir() if names.is_temp(p.name)]
     assert len(temps) == 2, f"the job's temporary files were removed: {temps}"
     assert daemon.segments(), "the owed job's segments were unlinked"
     assert journal_entries(daemon), "the journal entry was dropped"

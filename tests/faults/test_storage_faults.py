@@ -42,6 +42,7 @@ from fault_helpers import (
     run_as,
     single_tensor_state,
     small_tmpfs,
+    writing_dir,
 )
 from harness import wait_for
 from shmstage_client import PersistError, SaveError, Stager, StagingLimitExceeded
@@ -51,9 +52,13 @@ from shmstage.datafile import build_header
 from shmstage.layout import Layout, TensorSpec
 
 
-def assert_clean_failure(path: Path) -> None:
-    """Nothing at all left by a failed save: no final names, no temporaries."""
-    assert not path.exists() or os.listdir(path) == [], os.listdir(path)
+def assert_clean_failure(path: Path, *, existing: bool = False) -> None:
+    """Nothing at all left by a failed save: no final names, no temporaries, and no
+    directory unless it was there before (``existing``)."""
+    if existing:
+        assert os.listdir(path) == [], os.listdir(path)
+    else:
+        assert not path.exists(), os.listdir(path)
 
 
 def fill(path: Path) -> None:
@@ -120,7 +125,7 @@ def test_no_room_for_the_commit_marker(daemons, tmp_path: Path) -> None:
         with pytest.raises(PersistError, match="ENOSPC") as info:
             stager.save({"w": torch.ones(numel, dtype=torch.uint8)}, small / "victim").wait(60)
         assert "shmstage-manifest.json" in str(info.value)
-        assert_clean_failure(small / "victim")
+        assert_clean_failure(small / "victim", existing=True)
     serves_on(daemon, tmp_path / "after")
 
 
@@ -194,7 +199,7 @@ def test_destination_removed_mid_stream(daemons, tmp_path: Path) -> None:
         stager.save(single_tensor_state(6), tmp_path / "earlier").wait(60)
         handle = stager.save(make_state(6), tmp_path / "victim")
         daemon.wait_log("fault: pausing at mid-stream")
-        shutil.rmtree(tmp_path / "victim")
+        shutil.rmtree(writing_dir(tmp_path))  # the new directory, still pending
         with pytest.raises(PersistError, match="was removed while") as info:
             handle.wait(60)
         assert str(tmp_path / "victim") in str(info.value)
@@ -214,13 +219,14 @@ def test_destination_made_immutable_mid_stream(daemons, tmp_path: Path) -> None:
         stager.save(single_tensor_state(8), disk / "earlier").wait(60)
         handle = stager.save(make_state(8), disk / "victim")
         daemon.wait_log("fault: pausing at mid-stream")
-        subprocess.run(["chattr", "+i", str(disk / "victim")], check=True, timeout=30)
+        victim = writing_dir(disk)  # the new directory, still pending
+        subprocess.run(["chattr", "+i", str(victim)], check=True, timeout=30)
         try:
             with pytest.raises(PersistError, match=r"Operation not permitted \(EPERM\)"):
                 handle.wait(60)
-            assert published_files(disk / "victim") == []
+            assert published_files(victim) == [] and not (disk / "victim").exists()
         finally:
-            subprocess.run(["chattr", "-i", str(disk / "victim")], check=True, timeout=30)
+            subprocess.run(["chattr", "-i", str(victim)], check=True, timeout=30)
         assert_checkpoint_equals(disk / "earlier", single_tensor_state(8))
         stager.save(make_state(9), disk / "after").wait(60)
     serves_on(daemon, tmp_path / "after")
@@ -251,10 +257,12 @@ def test_destination_made_read_only_for_its_user_mid_stream(daemons, world: Path
     thread = threading.Thread(target=trainer)
     thread.start()
     daemon.wait_log("fault: pausing at mid-stream", timeout=60)
-    (ckpt / "victim").chmod(0o555)
+    victim = writing_dir(ckpt)  # the new directory, still pending
+    victim.chmod(0o555)
     thread.join(90)
     assert "REFUSED" in result[0] and "can no longer write" in result[0], result
-    assert published_files(ckpt / "victim") == []
+    assert not victim.exists() or published_files(victim) == []
+    assert not (ckpt / "victim").exists()
     assert checkpoint.verify(ckpt / "earlier") == []
 
 

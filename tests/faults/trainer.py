@@ -31,6 +31,7 @@ def main() -> None:
     sock, root, mode, seed = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     stager = Stager(sock, slots=1 if mode == "slot-wait" else 2)
     stager.save(single_tensor_state(seed), root / "base").wait(60)
+    stager._spares.ready(60)  # the victim takes the spare: no other pending directory is left
     say("BASE")
     state = make_state(seed)
     if mode == "copy":

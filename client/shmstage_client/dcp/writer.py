@@ -47,7 +47,9 @@ from torch.futures import Future
 
 from shmstage_client.dcp import directory
 from shmstage_client.errors import CheckpointExists, SaveError, UnsupportedValue
-from shmstage_client.stager import SaveResult, Staged, Stager
+from shmstage_client.handle import SaveResult, SaveTimings
+from shmstage_client.staged import Staged
+from shmstage_client.stager import Stager
 
 log = logging.getLogger("shmstage.dcp")
 
@@ -91,13 +93,33 @@ class _RankPlan:
 
 @dataclass(frozen=True)
 class StageStats:
-    """What this rank's last staging cost (``ShmStageWriter.last_stage``)."""
+    """What this rank's last staging cost (``ShmStageWriter.last_stage``): ``timings`` of
+    the ``stage()`` call, whose ``stall_seconds`` is what the training thread paid."""
 
     layout_id: int
     bytes: int
-    stage_seconds: float
-    slot_wait_seconds: float
-    setup_seconds: float
+    timings: SaveTimings
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.timings.stall_seconds
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.timings.copy_seconds
+
+    @property
+    def stage_seconds(self) -> float:
+        """Deprecated alias of ``copy_seconds``."""
+        return self.timings.copy_seconds
+
+    @property
+    def slot_wait_seconds(self) -> float:
+        return self.timings.slot_wait_seconds
+
+    @property
+    def setup_seconds(self) -> float:
+        return self.timings.setup_seconds
 
 
 class _Collected:
@@ -319,13 +341,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
 
     def _record_stage(self, staged: Staged | None) -> None:
         if staged is not None:
-            self.last_stage = StageStats(
-                staged.layout_id,
-                staged.nbytes,
-                staged.stage_seconds,
-                staged.slot_wait_seconds,
-                staged.setup_seconds,
-            )
+            self.last_stage = StageStats(staged.layout_id, staged.nbytes, staged.timings)
 
     # -- StorageWriter ------------------------------------------------------------------
 

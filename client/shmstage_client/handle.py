@@ -1,0 +1,312 @@
+"""What a save reports: its timings, its outcome, and the handle that follows it to disk.
+
+``SaveTimings`` is what the trainer paid, known the moment ``save()`` returns:
+``stall_seconds`` is the wall-clock time of the call on the caller's thread, the number to
+compare with a step time; the other fields are its parts. ``SaveResult`` adds what the
+daemon reports once the checkpoint is durable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shmstage_client.errors import DaemonLost, PersistError, SaveError, SaveTimeout
+
+if TYPE_CHECKING:
+    from shmstage_client.connection import DaemonConnection
+
+log = logging.getLogger("shmstage.client")
+
+
+@dataclass(frozen=True)
+class SaveTimings:
+    """Where a save's stall went, in seconds.
+
+    ``stall_seconds``: from entering ``save()`` until it returned, on the caller's thread —
+    what a training step pays, whatever the parts below add up to. ``prepare_seconds``:
+    flattening the state dict and checking it. ``setup_seconds``: reusing (or, for a new
+    structure, registering and mapping) the staging layout, and preparing the destination
+    directory and files. ``slot_wait_seconds``: waiting for a free slot (earlier
+    checkpoints still being written). ``copy_seconds``: copying the tensors into shared
+    memory. ``commit_seconds``: sending the commit and waiting for the daemon's answers.
+
+    For a two-phase save (``Stager.stage`` then ``Staged.commit``), ``stall_seconds`` is the
+    time both calls blocked their callers, added up; when ``commit()`` runs on another
+    thread (as PyTorch DCP's ``async_save`` does), the training thread stalled only for
+    the ``stage()`` part, ``Staged.timings.stall_seconds``.
+    """
+
+    stall_seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    slot_wait_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    commit_seconds: float = 0.0
+
+    @property
+    def stage_seconds(self) -> float:
+        """Deprecated: the copy alone, ``copy_seconds`` (it never was the whole stall)."""
+        return self.copy_seconds
+
+    def wire(self) -> dict[str, float]:
+        """The ``report`` message's fields."""
+        return {
+            "stall_seconds": self.stall_seconds,
+            "prepare_seconds": self.prepare_seconds,
+            "setup_seconds": self.setup_seconds,
+            "slot_wait_seconds": self.slot_wait_seconds,
+            "copy_seconds": self.copy_seconds,
+            "commit_seconds": self.commit_seconds,
+        }
+
+    def __add__(self, other: SaveTimings) -> SaveTimings:
+        return SaveTimings(
+            *(a + b for a, b in zip(self.wire().values(), other.wire().values(), strict=True))
+        )
+
+
+class Clock:
+    """Times one call's parts; ``timings()`` closes it, measuring the stall up to now."""
+
+    __slots__ = ("_parts", "_since", "started")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self._since = self.started
+        self._parts: dict[str, float] = {}
+
+    def lap(self, part: str) -> None:
+        """Charge the time since the previous lap to ``part`` (``setup``, ``copy``, ...)."""
+        now = time.perf_counter()
+        key = f"{part}_seconds"
+        self._parts[key] = self._parts.get(key, 0.0) + now - self._since
+        self._since = now
+
+    def timings(self) -> SaveTimings:
+        return SaveTimings(stall_seconds=time.perf_counter() - self.started, **self._parts)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a finished save cost: the trainer's part (``timings``, as on the handle) and
+    the daemon's (``persist_seconds``, from the commit until the checkpoint was durable)."""
+
+    path: Path
+    bytes: int
+    timings: SaveTimings
+    persist_seconds: float
+    files: tuple[str, ...]
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.timings.stall_seconds
+
+    @property
+    def prepare_seconds(self) -> float:
+        return self.timings.prepare_seconds
+
+    @property
+    def setup_seconds(self) -> float:
+        return self.timings.setup_seconds
+
+    @property
+    def slot_wait_seconds(self) -> float:
+        return self.timings.slot_wait_seconds
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.timings.copy_seconds
+
+    @property
+    def commit_seconds(self) -> float:
+        return self.timings.commit_seconds
+
+    @property
+    def stage_seconds(self) -> float:
+        """Deprecated alias of ``copy_seconds``."""
+        return self.timings.copy_seconds
+
+
+@dataclass(frozen=True)
+class SaveEvent:
+    """What ``Stager(progress=...)`` is told: a save was staged, became durable, or failed.
+
+    ``phase`` is "staged" (``save()`` is returning; training may go on), "durable" (with
+    ``result``) or "failed" (with ``error``). ``timings``: the trainer's side of the save.
+    """
+
+    path: Path
+    phase: str
+    timings: SaveTimings
+    result: SaveResult | None = None
+    error: SaveError | None = None
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.timings.stall_seconds
+
+    @property
+    def slot_wait_seconds(self) -> float:
+        return self.timings.slot_wait_seconds
+
+    @property
+    def stage_seconds(self) -> float:
+        """Deprecated alias of ``timings.copy_seconds``."""
+        return self.timings.copy_seconds
+
+
+ProgressCallback = Callable[[SaveEvent], None]
+
+
+class SaveHandle:
+    """A committed save being written by the daemon.
+
+    ``timings`` (and ``stall_seconds``) are final when ``save()`` returns. The outcome is
+    settled once, when the daemon's answer (or the loss of the daemon) arrives: that is
+    when the save's log line is written and the progress callback runs, whether or not
+    anybody calls ``wait()``.
+    """
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        connection: DaemonConnection,
+        job: int,
+        path: Path,
+        future: concurrent.futures.Future[dict[str, Any]],
+    ) -> None:
+        self._tracker = tracker
+        # Job ids are per connection: forget this one on the connection that knows it,
+        # not on a newer one the Stager made after a daemon restart.
+        self._connection = connection
+        self.job = job
+        self.path = path
+        self._future = future
+        self.timings = SaveTimings()
+        self._result: SaveResult | None = None
+        self._error: SaveError | None = None
+        self._settled = threading.Event()
+
+    @property
+    def stall_seconds(self) -> float:
+        """How long ``save()`` held the caller's thread (see ``SaveTimings``)."""
+        return self.timings.stall_seconds
+
+    def staged(self, timings: SaveTimings) -> None:
+        """``save()`` is returning: record what it cost, tell the progress callback, and
+        from now on settle the outcome when the daemon's answer comes."""
+        self.timings = timings
+        self._tracker.notify(SaveEvent(self.path, "staged", timings))
+        self._future.add_done_callback(self._settle)
+
+    def done(self) -> bool:
+        return self._settled.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the checkpoint is durable (or failed); raises a SaveError subclass."""
+        if not self._settled.wait(timeout):
+            raise SaveTimeout(
+                f"checkpoint {self.path} was not durable within {timeout} s; it is still "
+                "being written (call wait() again)"
+            )
+        self._tracker.forget(self)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _settle(self, future: concurrent.futures.Future[dict[str, Any]]) -> None:
+        """Runs once, in the connection's reader thread (or here, if already done)."""
+        try:
+            message = future.result()
+            result = message["result"]
+            if not message["ok"]:
+                raise PersistError(result.get("code", "?"), result.get("message", "unknown"))
+            self._result = SaveResult(
+                path=self.path,
+                bytes=int(result["bytes"]),
+                timings=self.timings,
+                persist_seconds=float(result["persist_seconds"]),
+                files=tuple(result["files"]),
+            )
+        except DaemonLost as exc:
+            self._error = DaemonLost(
+                f"checkpoint {self.path} has no confirmed result: {exc}. It may be incomplete "
+                "(`shmstage verify` tells: a new directory appears only once complete, and a "
+                "restarted shmstaged finishes what it acknowledged); this Stager reconnects on "
+                "its next save"
+            )
+        except SaveError as exc:
+            self._error = exc
+        except Exception as exc:  # a malformed answer must still settle the handle
+            self._error = SaveError(f"checkpoint {self.path}: unexpected answer: {exc!r}")
+        if self._result is not None:
+            r = self._result
+            t = r.timings
+            log.info(
+                "shmstage save %s: %s durable; stall %.3f s (copy %.3f s, %.2f GB/s; slot "
+                "wait %.3f s; setup %.3f s; commit %.3f s; prepare %.3f s), persist %.3f s "
+                "(%.2f GB/s)",
+                self.path,
+                _size(r.bytes),
+                t.stall_seconds,
+                t.copy_seconds,
+                _gbps(r.bytes, t.copy_seconds),
+                t.slot_wait_seconds,
+                t.setup_seconds,
+                t.commit_seconds,
+                t.prepare_seconds,
+                r.persist_seconds,
+                _gbps(r.bytes, r.persist_seconds),
+            )
+            event = SaveEvent(self.path, "durable", self.timings, result=r)
+        else:
+            log.warning("shmstage save %s failed: %s", self.path, self._error)
+            event = SaveEvent(self.path, "failed", self.timings, error=self._error)
+        self._tracker.notify(event)  # before wait() returns: events arrive in order
+        self._settled.set()
+
+
+class Tracker:
+    """The saves a Stager has in flight, and its progress callback."""
+
+    def __init__(self, progress: ProgressCallback | None) -> None:
+        self._progress = progress
+        self._pending: set[SaveHandle] = set()
+        self._lock = threading.Lock()
+
+    def track(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._pending.add(handle)
+
+    def forget(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._pending.discard(handle)
+        handle._connection.forget_job(handle.job)
+
+    def pending(self) -> list[SaveHandle]:
+        with self._lock:
+            return list(self._pending)
+
+    def notify(self, event: SaveEvent) -> None:
+        if self._progress is None:
+            return
+        try:
+            self._progress(event)
+        except Exception:  # a broken callback must not fail the save or kill the reader
+            log.exception("shmstage progress callback raised; ignored")
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"

@@ -1,0 +1,170 @@
+"""A state dict flattened and checked, before anything touches the daemon or the disk.
+
+Everything that can make a save impossible because of what the state dict holds is found
+here, first: unsupported values, tensors safetensors cannot store, plain values the wire
+cannot carry. A refused state dict costs no directory, no slot, no copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+import torch
+
+from shmstage import tree
+from shmstage.layout import Layout, LayoutError, TensorSpec
+from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES
+from shmstage.units import format_size
+from shmstage_client.dtypes import safetensors_name, supported
+from shmstage_client.errors import UnsupportedValue
+
+#: msgpack, which carries the structure to the daemon, holds integers in this range.
+WIRE_INT_MIN: Final = -(2**63)
+WIRE_INT_MAX: Final = 2**64 - 1
+#: What a commit frame needs besides the structure and the metadata (names, timings...).
+COMMIT_OVERHEAD_BYTES: Final = 64 * 1024
+
+
+@dataclass
+class Prepared:
+    """A state dict flattened: its encoded structure (packed once, for the commit), its
+    tensors, and their signature.
+
+    ``signature`` is every tensor property the layout depends on, and the device, read
+    straight from the tensors; equal signatures mean an equal (already validated) layout
+    and the same copy plan.
+    """
+
+    encoded: Any
+    packed_tree: bytes
+    items: list[tuple[str, torch.Tensor]]
+    offsets: dict[str, tuple[int, ...]]
+    signature: list[tuple[Any, ...]]
+    _layout: Layout | None = None
+
+    @classmethod
+    def of(cls, state_dict: Any, offsets: Mapping[str, Sequence[int]] | None) -> Prepared:
+        encoded, items = _flatten(state_dict)
+        packed = _pack_tree(encoded)
+        shards = {key: tuple(shard) for key, shard in (offsets or {}).items()}
+        unknown = shards.keys() - {key for key, _ in items} if shards else ()
+        if unknown:
+            raise UnsupportedValue(
+                f"offsets given for keys not in the state dict: {sorted(unknown)}"
+            )
+        shard = shards.get
+        signature = [
+            (key, type(t), t.dtype, t.shape, t.layout, t.device, shard(key)) for key, t in items
+        ]
+        return cls(encoded, packed, items, shards, signature)
+
+    def layout(self) -> Layout:
+        """The validated layout (only needed when the signature is new)."""
+        if self._layout is None:
+            self._layout = _layout_of(self.items, self.offsets)
+        return self._layout
+
+    def check(self, current_signature: list[tuple[Any, ...]] | None) -> None:
+        """Raise UnsupportedValue now unless the tensors match the current layout's."""
+        if current_signature != self.signature:
+            self.layout()
+
+
+def check_fits(
+    encoded: Any,
+    packed_tree: bytes,
+    packed_metadata: bytes,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> None:
+    """Refuse plain values and metadata too large for one commit message, naming where
+    most of the bytes are."""
+    total = len(packed_tree) + len(packed_metadata) + COMMIT_OVERHEAD_BYTES
+    if total <= max_frame_bytes:
+        return
+    where = "the metadata" if len(packed_metadata) > len(packed_tree) else _heaviest(encoded)
+    raise UnsupportedValue(
+        f"the state dict's plain values and the metadata take {format_size(total)} encoded "
+        f"(most of it {where}), more than the {format_size(max_frame_bytes)} one commit "
+        "message may carry; store large data as tensors — nothing was written"
+    )
+
+
+def _flatten(state_dict: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    try:
+        return tree.flatten(state_dict, lambda value: isinstance(value, torch.Tensor))
+    except tree.TreeError as exc:
+        raise UnsupportedValue(f"{exc}; nothing was written") from None
+
+
+def _pack_tree(encoded: Any) -> bytes:
+    try:
+        return msgpack.packb(encoded, use_bin_type=True)
+    except OverflowError:
+        path = tree.find(encoded, _outside_wire_ints)
+        where = tree.show(path) if path is not None else "the state dict"
+        raise UnsupportedValue(
+            f"{where} holds an integer outside the range shmstage can store "
+            f"({WIRE_INT_MIN} .. {WIRE_INT_MAX}, 64 bits); store it as a str or a tensor — "
+            "nothing was written"
+        ) from None
+
+
+def _outside_wire_ints(value: Any) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and not WIRE_INT_MIN <= value <= WIRE_INT_MAX
+    )
+
+
+def _heaviest(encoded: Any) -> str:
+    """Where most of an encoded tree's bytes are: the deepest node holding over half."""
+    path: list[str | int] = []
+    node = encoded
+    size = len(msgpack.packb(node, use_bin_type=True))
+    while children := tree.parts(node):
+        weights = [
+            (len(msgpack.packb(child, use_bin_type=True)), part, child) for part, child in children
+        ]
+        heaviest, part, child = max(weights, key=lambda weight: weight[0])
+        if heaviest * 2 < size:
+            break
+        path.append(part)
+        node, size = child, heaviest
+    return f"{tree.show(path)}, {format_size(size)}"
+
+
+def _layout_of(
+    items: list[tuple[str, torch.Tensor]], offsets: Mapping[str, tuple[int, ...]]
+) -> Layout:
+    specs = []
+    for key, tensor in items:
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            raise UnsupportedValue(
+                f"tensor {key!r} is a {type(tensor).__name__}; plain tensors only (for DTensor "
+                "use shmstage_client.dcp); nothing was written"
+            )
+        if (
+            tensor.layout is not torch.strided
+            or tensor.is_quantized
+            or tensor.device.type == "meta"
+        ):
+            raise UnsupportedValue(
+                f"tensor {key!r} ({tensor.layout}, {tensor.device}) is not a dense tensor with "
+                "data; nothing was written"
+            )
+        dtype = safetensors_name(tensor.dtype)
+        if dtype is None:
+            raise UnsupportedValue(
+                f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store "
+                f"(supported: {supported()}); convert it first — nothing was written"
+            )
+        shard = offsets.get(key)
+        specs.append(TensorSpec(key, dtype, tuple(tensor.shape), shard))
+    try:
+        return Layout.of(specs)
+    except LayoutError as exc:
+        raise UnsupportedValue(f"{exc}; nothing was written") from None

@@ -1,0 +1,228 @@
+"""A filled slot on its way to the daemon: the commit, its answers, and giving up cleanly.
+
+``Stager.save`` sends the commit ahead of the copy (``ready=False``) and completes it once
+the copy is done; ``Stager.stage`` hands the caller a ``Staged`` to commit later
+(``Staged.commit``), the way PyTorch DCP learns each rank's file only after staging.
+Either way a commit ends in exactly one of: a ``SaveHandle`` (the daemon owns the data),
+or the slot handed back and everything created for the destination removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shmstage_client.connection import RequestHandle
+from shmstage_client.destination import Fields, Target, open_target
+from shmstage_client.errors import SaveError
+from shmstage_client.handle import Clock, SaveHandle, SaveTimings
+from shmstage_client.prepared import check_fits
+
+if TYPE_CHECKING:
+    from shmstage_client.stager import Stager
+    from shmstage_client.staging import MappedLayout
+
+log = logging.getLogger("shmstage.client")
+
+
+@dataclass
+class Destination:
+    """Everything a commit names: where (opened) and what (checked)."""
+
+    target: Target
+    fields: Fields
+
+    def abort(self) -> None:
+        """Remove what was created for this commit and close everything: it will not happen."""
+        self.target.abort()
+
+
+class Staged:
+    """A filled slot waiting for its destination (``Stager.stage``).
+
+    ``commit()`` hands it to the daemon to write; ``cancel()`` hands it back unwritten.
+    Exactly one of them happens, once. Until then the slot is this client's, and later
+    saves needing it wait — so resolve every Staged (as a context manager, leaving it
+    uncommitted cancels). ``commit()`` may run on another thread than ``stage()`` did (DCP
+    commits from its checkpoint thread), never concurrently with another call on it.
+
+    ``timings``: what staging cost (its ``stall_seconds`` is the ``stage()`` call's own);
+    the handle ``commit()`` returns adds the commit's part.
+    """
+
+    def __init__(
+        self,
+        stager: Stager,
+        mapped: MappedLayout,
+        slot: int,
+        encoded: Any,
+        packed_tree: bytes,
+    ) -> None:
+        self._stager = stager
+        self._connection = stager._connection  # the daemon gave the slot to this session
+        self.mapped = mapped
+        self.layout_id = mapped.id
+        self.slot = slot
+        self.nbytes = mapped.layout.nbytes
+        self._encoded = encoded
+        self._packed_tree = packed_tree
+        self.timings = SaveTimings()
+        self._lock = threading.Lock()
+        self._state = "staged"  # -> "committing" -> "committed" | "cancelled"
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.timings.stall_seconds
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.timings.copy_seconds
+
+    @property
+    def stage_seconds(self) -> float:
+        """Deprecated alias of ``copy_seconds``."""
+        return self.timings.copy_seconds
+
+    @property
+    def slot_wait_seconds(self) -> float:
+        return self.timings.slot_wait_seconds
+
+    @property
+    def setup_seconds(self) -> float:
+        return self.timings.setup_seconds
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    @property
+    def open(self) -> bool:
+        """Neither committed nor cancelled yet."""
+        return self._state == "staged"
+
+    def commit(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        data_file: str | None = None,
+        file_metadata: Mapping[str, str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Have the daemon write the staged tensors to the new directory ``path``.
+
+        ``data_file``: the data file's name (default: the Stager's ``data_file``).
+        ``file_metadata``: strings for the safetensors header's ``__metadata__`` (default
+        ``{"format": "pt"}``). ``metadata``: JSON values kept in the manifest. If the
+        destination or the commit is refused, the slot is handed back and this raises.
+        """
+        clock = Clock()
+        try:
+            fields = Fields.check(data_file or self._stager.data_file, file_metadata, metadata)
+            check_fits(self._encoded, self._packed_tree, fields.packed_metadata)
+            clock.lap("prepare")
+            destination = Destination(open_target(path, fields.data_file), fields)
+            clock.lap("setup")
+        except BaseException:
+            self.cancel()
+            raise
+        handle = self.complete(destination, self.send_commit(destination, ready=True))
+        clock.lap("commit")
+        self._stager._staged(handle, self.timings + clock.timings())
+        return handle
+
+    def cancel(self) -> None:
+        """Hand the slot back unwritten; nothing to do once committed or cancelled."""
+        with self._lock:
+            if self._state != "staged":
+                return
+            self._state = "cancelled"
+        self._hand_back()
+
+    def send_commit(self, destination: Destination, *, ready: bool) -> RequestHandle:
+        """Send the commit; ``ready=False`` before the copy is complete (see ``Stager.save``)."""
+        with self._lock:
+            if self._state != "staged":
+                destination.abort()
+                raise SaveError(f"this staged save was already {self._state}; stage again")
+            self._state = "committing"
+        target = destination.target
+        body: dict[str, Any] = {
+            "layout": self.layout_id,
+            "slot": self.slot,
+            **destination.fields.wire(),
+            **target.wire(),
+        }
+        if not ready:
+            body["ready"] = False
+        prepacked = {"tree": self._packed_tree, "metadata": destination.fields.packed_metadata}
+        try:
+            return self._connection.start("commit", body, target.fds(), prepacked=prepacked)
+        except BaseException:
+            self._give_up(destination)
+            raise
+
+    def complete(self, destination: Destination, request: RequestHandle) -> SaveHandle:
+        """Wait for the commit's answer; after a prepared one, report the copy complete.
+
+        Whatever fails, what was created for the destination goes and the slot is handed
+        back (the daemon drops a prepared commit with it), then this raises.
+        """
+        timeout = self._stager.request_timeout
+        try:
+            try:
+                reply = request.next(timeout)
+            finally:
+                request.finish()
+            if reply.op == "prepared":
+                ready = {"layout": self.layout_id, "slot": self.slot, "job": reply.body["job"]}
+                reply = self._connection.call("ready", ready, timeout=timeout)
+        except BaseException as exc:
+            self._give_up(destination)
+            if isinstance(exc, SaveError) and "unknown fields" in str(exc):
+                raise SaveError(
+                    f"shmstaged at {self._connection.path} is older than this client (it "
+                    f"does not know {exc}); upgrade shmstaged to the client's version"
+                ) from exc
+            raise
+        finally:
+            destination.target.close_fds()
+        self._state = "committed"
+        job = reply.body["job"]
+        path = destination.target.path
+        assert path is not None
+        return SaveHandle(
+            self._stager._tracker, self._connection, job, path, self._connection.job_future(job)
+        )
+
+    def abandon(self, early: RequestHandle | None) -> None:
+        """The copy failed: hand the slot back, dropping a commit sent ahead of it."""
+        if early is None:
+            self.cancel()
+            return
+        with contextlib.suppress(SaveError):
+            early.next(30)  # "prepared" or a refusal: either way the slot is ours
+        early.finish()
+        self._state = "cancelled"
+        self._hand_back()
+
+    def _give_up(self, destination: Destination) -> None:
+        """The commit will not happen: remove what was created for it, hand the slot back
+        (the daemon refused or never saw the commit, or drops the prepared one with it)."""
+        destination.abort()
+        self._state = "cancelled"
+        self._hand_back()
+
+    def _hand_back(self) -> None:
+        try:
+            self._connection.call(
+                "cancel", {"layout": self.layout_id, "slot": self.slot}, timeout=30
+            )
+        except SaveError as exc:
+            log.warning("could not hand slot %d back to shmstaged: %s", self.slot, exc)
