@@ -104,7 +104,7 @@ def test_a_filesystem_refusing_direct_io_is_written_through_the_page_cache(
             assert_checkpoint_equals(ram / f"c{seed}", make_state(seed))
     said = [line for line in daemon.log().splitlines() if "refuses direct I/O" in line]
     assert len(said) == 1, said
-    assert f"the filesystem of {ram}/c1" in said[0] and "EINVAL when asked for it" in said[0]
+    assert f"the filesystem of {ram}/" in said[0] and "EINVAL when asked for it" in said[0]
     serves_on(daemon, tmp_path / "after")  # and the disk beside it is written directly
 
 
