@@ -282,12 +282,12 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
             f"{format_size(shm['memory_available_bytes'])}"
         )
     if limits:
-        max_bytes = limits["max_client_bytes"]
+        max_bytes = limits["max_user_bytes"]
         out.append(
             "limits     per client: "
             + ("budget" if max_bytes >= 1 << 60 else format_size(max_bytes))
-            + f", {limits['max_client_segments']} segments, {limits['max_client_layouts']} "
-            f"layouts, {limits['max_client_jobs']} jobs; default slots "
+            + f", {limits['max_user_segments']} segments, {limits['max_user_layouts']} "
+            f"layouts, {limits['max_user_jobs']} jobs; default slots "
             f"{limits.get('default_slots', '?')}"
         )
     recent = s.get("recent", {})

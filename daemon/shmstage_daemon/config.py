@@ -262,6 +262,16 @@ def _seconds(value: Any) -> float:
     raise _Invalid("expected a finite number of seconds >= 0")
 
 
+def _size_at_least_one(value: Any) -> int:
+    try:
+        nbytes = parse_size(value)
+    except ValueError:
+        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "64MiB")') from None
+    if nbytes < 1:
+        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "64MiB")')
+    return nbytes
+
+
 def _optional_port(value: Any) -> int | None:
     if value is None:
         return None
@@ -358,6 +368,10 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "max_segments": ("limits", "max_segments", _int_at_least(1)),
     "max_layouts": ("limits", "max_layouts", _int_at_least(1)),
     "max_jobs": ("limits", "max_jobs", _int_at_least(1)),
+    "max_connections": ("limits", "max_connections", _int_at_least(1)),
+    "max_prepared": ("limits", "max_prepared", _int_at_least(1)),
+    "max_journal_bytes": ("limits", "max_journal_bytes", _size_at_least_one),
+    "max_buffered_bytes": ("limits", "max_buffered_bytes", _size_at_least_one),
     "default_slots": ("limits", "default_slots", _int_between(1, 8)),
     "writer_threads": ("storage", "writer_threads", _int_between(1, 64)),
     "io_threads": ("storage", "io_threads", _int_between(1, 64)),
@@ -405,9 +419,13 @@ class Config:
     allow_disk_journal: bool = False
     shm_budget: int | str = "80%"
     max_bytes: int | None = None
-    max_segments: int = 65536
-    max_layouts: int = 16
-    max_jobs: int = 4
+    max_segments: int = 262144
+    max_layouts: int = 64
+    max_jobs: int = 32
+    max_connections: int = 64
+    max_prepared: int = 32
+    max_journal_bytes: int | str = "64MiB"
+    max_buffered_bytes: int | str = "64MiB"
     default_slots: int = 2
     writer_threads: int = 16
     io_threads: int = 4

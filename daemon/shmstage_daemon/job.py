@@ -28,7 +28,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from shmstage import manifest
 from shmstage.layout import Layout

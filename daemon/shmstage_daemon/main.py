@@ -49,6 +49,10 @@ _OVERRIDES: Final = {
     "max_segments": "max_segments",
     "max_layouts": "max_layouts",
     "max_jobs": "max_jobs",
+    "max_connections": "max_connections",
+    "max_prepared": "max_prepared",
+    "max_journal_bytes": "max_journal_bytes",
+    "max_buffered_bytes": "max_buffered_bytes",
     "default_slots": "default_slots",
     "metrics_port": "metrics_port",
     "journal_dir": "journal_dir",
@@ -145,28 +149,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-bytes",
         default=None,
         metavar="SIZE",
-        help="shared memory one client may hold (default: the budget)",
+        help="shared memory one user may hold, all its connections together (default: the budget)",
     )
     parser.add_argument(
         "--max-segments",
         type=_number,
         default=None,
         metavar="N",
-        help="segments (tensors x slots) one client may hold (default 65536)",
+        help="segments (tensors x slots) one user may hold (default 262144)",
     )
     parser.add_argument(
         "--max-layouts",
         type=_number,
         default=None,
         metavar="N",
-        help="state dict structures one client may have registered at once (default 16)",
+        help="state dict structures one user may have registered at once (default 64)",
     )
     parser.add_argument(
         "--max-jobs",
         type=_number,
         default=None,
         metavar="N",
-        help="checkpoints of one client being written at once (default 4)",
+        help="checkpoints of one user being written at once (default 32)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="connections one user may hold open (default 64)",
+    )
+    parser.add_argument(
+        "--max-prepared",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="commits one user may have sent ahead of their copy (default 32)",
+    )
+    parser.add_argument(
+        "--max-journal-bytes",
+        default=None,
+        metavar="SIZE",
+        help='journal space one user\'s acknowledged checkpoints may take (default "64MiB")',
+    )
+    parser.add_argument(
+        "--max-buffered-bytes",
+        default=None,
+        metavar="SIZE",
+        help='bytes of requests still arriving one user may have the daemon buffer '
+        '(default "64MiB")',
     )
     parser.add_argument(
         "--default-slots",
@@ -234,12 +265,16 @@ def load(path: Path | None, overrides: dict[str, Any]) -> Config:
 def settings_of(config: Config) -> Settings:
     limits: dict[str, int] = {
         "shm_budget_bytes": config.shm_budget_bytes,
-        "max_client_segments": config.max_segments,
-        "max_client_layouts": config.max_layouts,
-        "max_client_jobs": config.max_jobs,
+        "max_user_segments": config.max_segments,
+        "max_user_layouts": config.max_layouts,
+        "max_user_jobs": config.max_jobs,
+        "max_user_connections": config.max_connections,
+        "max_user_prepared": config.max_prepared,
+        "max_user_journal_bytes": int(config.max_journal_bytes),
+        "max_user_buffered_bytes": int(config.max_buffered_bytes),
     }
     if config.max_bytes is not None:
-        limits["max_client_bytes"] = config.max_bytes
+        limits["max_user_bytes"] = config.max_bytes
     return Settings(
         socket_path=config.socket_path,
         limits=Limits(**limits),
@@ -272,8 +307,11 @@ def describe(config: Config) -> str:
         f"  journal_dir      {config.journal_dir}"
         + (" (disk allowed)" if config.allow_disk_journal else ""),
         f"  shm_budget       {config.shm_budget} = {budget}",
-        f"  per client       max_bytes {max_bytes}, max_segments {config.max_segments}, "
+        f"  per user         max_bytes {max_bytes}, max_segments {config.max_segments}, "
         f"max_layouts {config.max_layouts}, max_jobs {config.max_jobs}",
+        f"                   max_connections {config.max_connections}, max_prepared "
+        f"{config.max_prepared}, max_journal_bytes {format_size(int(config.max_journal_bytes))}, "
+        f"max_buffered_bytes {format_size(int(config.max_buffered_bytes))}",
         f"  default_slots    {config.default_slots}",
         f"  storage          writer_threads {config.writer_threads}, io_threads "
         f"{config.io_threads}, fsync {config.fsync}",

@@ -299,21 +299,32 @@ class Daemon:
         transport = Transport(sock, max_fds=DAEMON_MAX_PENDING_FDS)
         if not self.settings.allowlist.admits(peer):
             log.warning("refused %s: not in the allowlist", peer.describe())
-            refusal = Connection(Role.DAEMON).error_frame(
+            self._turn_away(
+                transport,
                 ErrorCode.NOT_ALLOWED,
                 f"uid {peer.uid} is not allowed to use shmstaged (allowed: "
                 f"{self.settings.allowlist.describe()}); add the user or one of its groups "
                 "to shmstaged's allowed users",
-                fatal=True,
             )
-            if self._refusing >= MAX_LINGERING_REFUSALS:  # a flood: no courtesy, just close
-                transport.close()
-                return
-            self._track(asyncio.get_running_loop().create_task(self._refuse(transport, refusal)))
             return
-        session = Session(self, next(self._session_ids), transport, peer)
+        sid = next(self._session_ids)
+        try:
+            self.store.open_session(sid, peer.uid)
+        except StoreError as exc:
+            log.warning("refused %s: %s", peer.describe(), exc.message)
+            self._turn_away(transport, exc.code, exc.message)
+            return
+        session = Session(self, sid, transport, peer)
         self.sessions[session.id] = session
         asyncio.get_running_loop().create_task(session.run())
+
+    def _turn_away(self, transport: Transport, code: ErrorCode, message: str) -> None:
+        """Tell a refused peer why (briefly: at most MAX_LINGERING_REFUSALS at once)."""
+        refusal = Connection(Role.DAEMON).error_frame(code, message, fatal=True)
+        if self._refusing >= MAX_LINGERING_REFUSALS:  # a flood: no courtesy, just close
+            transport.close()
+            return
+        self._track(asyncio.get_running_loop().create_task(self._refuse(transport, refusal)))
 
     async def _refuse(self, transport: Transport, refusal: bytes) -> None:
         """Send the reason, then let the peer read it before closing.

@@ -215,10 +215,10 @@ class Session:
             self.daemon.check_capacity(nbytes)
             refs = await self.daemon.run_io(self.daemon.create_segments, layout, slots)
         except segment.SegmentError as exc:
-            self.store.unreserve(self.id, nbytes, len(layout.tensors) * slots)
+            self.store.unreserve(self.peer.uid, nbytes, len(layout.tensors) * slots)
             raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
         except BaseException:
-            self.store.unreserve(self.id, nbytes, len(layout.tensors) * slots)
+            self.store.unreserve(self.peer.uid, nbytes, len(layout.tensors) * slots)
             raise
         staged = self.store.add(self.id, layout, refs, nbytes)
         self.daemon.telemetry.registered()

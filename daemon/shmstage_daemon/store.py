@@ -1,5 +1,9 @@
 """The daemon's shared state: every client's layouts, their slots, and the budget.
 
+Limits are per *user* (uid), not per connection: one user opening twelve connections gets
+no more than one does, so a node's users cannot crowd each other out. Shared memory is
+charged in whole pages, as tmpfs allocates it (a 1-byte tensor reserves 4 KiB).
+
 Only the event loop touches a Store. Segment creation and unlinking are blocking calls, so
 the session runs them in the thread pool and reports back here; writer threads never see a
 Store at all, they get a self-contained job and return a result.
@@ -9,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import mmap
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 
@@ -30,28 +35,36 @@ class StoreError(Exception):
         self.message = message
 
 
+PAGE: Final = mmap.PAGESIZE
+
+
+def pages(nbytes: int) -> int:
+    """What a segment of ``nbytes`` really takes in /dev/shm: whole pages, at least one."""
+    return max(1, -(-nbytes // PAGE)) * PAGE
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Per-client and daemon-wide ceilings; every refusal names the limit that applied."""
+    """Per-user and daemon-wide ceilings; every refusal names the limit that applied."""
 
     shm_budget_bytes: int
-    max_client_bytes: int = 1 << 62
-    max_client_segments: int = 1 << 20
-    max_client_layouts: int = 8
-    max_client_jobs: int = 16
+    max_user_bytes: int = 1 << 62
+    max_user_segments: int = 1 << 20
+    max_user_layouts: int = 64
+    max_user_jobs: int = 32
+    #: Connections one user may hold open (each is a descriptor and buffers in the daemon).
+    max_user_connections: int = 64
+    #: Commits one user may have sent ahead of their copy ("prepared"), each journaled.
+    max_user_prepared: int = 32
+    #: Journal bytes one user's entries may take (the journal lives in /dev/shm).
+    max_user_journal_bytes: int = 64 << 20
+    #: Bytes of incomplete frames one user's connections may have the daemon buffer.
+    max_user_buffered_bytes: int = 64 << 20
     max_tensors_per_layout: int = 200_000
     max_slots: int = 8
 
     def to_wire(self) -> dict[str, int]:
-        return {
-            "shm_budget_bytes": self.shm_budget_bytes,
-            "max_client_bytes": self.max_client_bytes,
-            "max_client_segments": self.max_client_segments,
-            "max_client_layouts": self.max_client_layouts,
-            "max_client_jobs": self.max_client_jobs,
-            "max_tensors_per_layout": self.max_tensors_per_layout,
-            "max_slots": self.max_slots,
-        }
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,8 @@ class StagedLayout:
     layout: Layout
     slots: list[Slot]
     bytes_reserved: int
+    #: Whose limits it counts against.
+    uid: int = -1
     released: bool = False
     waiters: deque[asyncio.Future[Slot]] = field(default_factory=deque)
     #: safetensors headers already built for this layout, by file metadata: with 10,000
@@ -116,21 +131,64 @@ class StagedLayout:
 
 
 @dataclass
-class ClientUsage:
+class UserUsage:
+    """What one uid holds across all its connections; every limit is checked against it."""
+
     bytes: int = 0
     segments: int = 0
     layouts: int = 0
     jobs: int = 0
+    connections: int = 0
+    prepared: int = 0
+    journal_bytes: int = 0
+    buffered_bytes: int = 0
+
+    def idle(self) -> bool:
+        return not any(vars(self).values())
 
 
 class Store:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.layouts: dict[int, StagedLayout] = {}
-        self.usage: dict[int, ClientUsage] = {}
+        #: session id -> its layouts, so that per-client questions cost that client's size.
+        self.by_session: dict[int, dict[int, StagedLayout]] = {}
+        #: session id -> uid, and what each uid holds.
+        self.uids: dict[int, int] = {}
+        self.usage: dict[int, UserUsage] = {}
         self.reserved_bytes = 0
         self._layout_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
+
+    # -- users -------------------------------------------------------------------
+
+    def user(self, session: int) -> UserUsage:
+        return self.usage.setdefault(self.uids.get(session, -1), UserUsage())
+
+    def open_session(self, session: int, uid: int) -> None:
+        """Count a new connection of ``uid``; refuses one over the user's limit."""
+        usage = self.usage.setdefault(uid, UserUsage())
+        if usage.connections >= self.limits.max_user_connections:
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {uid} already has {usage.connections} connections to shmstaged (limit "
+                f"{self.limits.max_user_connections}, max_connections); close some first",
+            )
+        usage.connections += 1
+        self.uids[session] = uid
+        self.by_session[session] = {}
+
+    def charge(self, session: int, what: str, amount: int, limit: int, setting: str) -> None:
+        """Add ``amount`` to one of the user's counters, or refuse naming the limit."""
+        usage = self.user(session)
+        if amount > 0 and getattr(usage, what) + amount > limit:
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {self.uids.get(session)} would hold {getattr(usage, what) + amount} "
+                f"{what.replace('_', ' ')} (limit {limit}, {setting}); wait for earlier work "
+                "to finish or raise the limit in shmstaged's configuration",
+            )
+        setattr(usage, what, getattr(usage, what) + amount)
 
     # -- registration ------------------------------------------------------------
 
@@ -141,42 +199,29 @@ class Store:
             raise StoreError(
                 ErrorCode.BAD_REQUEST, f"slots={slots}: this daemon allows 1..{lim.max_slots}"
             )
-        usage = self.usage.setdefault(session, ClientUsage())
-        nbytes = sum(max(spec.nbytes, 1) for spec in layout.tensors) * slots
+        usage = self.user(session)
+        # Whole pages, as tmpfs takes them; a layout without tensors still costs a page.
+        nbytes = max(sum(pages(spec.nbytes) for spec in layout.tensors), PAGE) * slots
         nsegments = len(layout.tensors) * slots
         checks = [
-            (
-                usage.layouts + 1 > lim.max_client_layouts,
-                "layouts",
-                usage.layouts + 1,
-                lim.max_client_layouts,
-            ),
-            (
-                usage.bytes + nbytes > lim.max_client_bytes,
-                "bytes",
-                usage.bytes + nbytes,
-                lim.max_client_bytes,
-            ),
-            (
-                usage.segments + nsegments > lim.max_client_segments,
-                "segments",
-                usage.segments + nsegments,
-                lim.max_client_segments,
-            ),
+            ("layouts", usage.layouts + 1, lim.max_user_layouts, "max_layouts"),
+            ("bytes", usage.bytes + nbytes, lim.max_user_bytes, "max_bytes"),
+            ("segments", usage.segments + nsegments, lim.max_user_segments, "max_segments"),
         ]
-        for exceeded, what, wanted, limit in checks:
-            if exceeded:
+        for what, wanted, limit, setting in checks:
+            if wanted > limit:
                 raise StoreError(
                     ErrorCode.LIMIT_EXCEEDED,
-                    f"this registration would bring the client to {wanted} {what}, over its "
-                    f"limit of {limit}; release layouts first or raise the limit in "
-                    "shmstaged's configuration",
+                    f"this registration would bring uid {self.uids.get(session)} to {wanted} "
+                    f"{what}, over its limit of {limit} ({setting}, for all its connections "
+                    "together); release layouts first or raise the limit in shmstaged's "
+                    "configuration",
                 )
         if self.reserved_bytes + nbytes > lim.shm_budget_bytes:
             raise StoreError(
                 ErrorCode.SHM_EXHAUSTED,
-                f"staging {nbytes} bytes ({slots} slot(s) of {layout.nbytes}) would exceed "
-                f"shmstaged's shared-memory budget ({self.reserved_bytes} of "
+                f"staging {nbytes} bytes ({slots} slot(s) of {layout.nbytes}, in whole pages) "
+                f"would exceed shmstaged's shared-memory budget ({self.reserved_bytes} of "
                 f"{lim.shm_budget_bytes} bytes in use); use fewer slots, release other "
                 "layouts, or raise the budget",
             )
@@ -186,13 +231,19 @@ class Store:
         usage.layouts += 1
         return nbytes
 
-    def unreserve(self, session: int, nbytes: int, nsegments: int) -> None:
+    def unreserve(self, uid: int, nbytes: int, nsegments: int) -> None:
         self.reserved_bytes -= nbytes
-        usage = self.usage.get(session)
+        usage = self.usage.get(uid)
         if usage is not None:
             usage.bytes -= nbytes
             usage.segments -= nsegments
             usage.layouts -= 1
+            self._forget_if_idle(uid)
+
+    def _forget_if_idle(self, uid: int) -> None:
+        usage = self.usage.get(uid)
+        if usage is not None and usage.idle():
+            del self.usage[uid]
 
     def add(
         self, session: int, layout: Layout, slots: list[list[SegmentRef]], nbytes: int
@@ -203,8 +254,10 @@ class Store:
             layout=layout,
             slots=[Slot(i, refs) for i, refs in enumerate(slots)],
             bytes_reserved=nbytes,
+            uid=self.uids.get(session, -1),
         )
         self.layouts[staged.id] = staged
+        self.by_session.setdefault(session, {})[staged.id] = staged
         return staged
 
     def get(self, session: int, layout_id: int) -> StagedLayout:
@@ -232,12 +285,12 @@ class Store:
         return staged.slots[index]
 
     def begin_job(self, session: int, staged: StagedLayout, slot: Slot) -> int:
-        usage = self.usage.setdefault(session, ClientUsage())
-        if usage.jobs >= self.limits.max_client_jobs:
+        usage = self.user(session)
+        if usage.jobs >= self.limits.max_user_jobs:
             raise StoreError(
                 ErrorCode.LIMIT_EXCEEDED,
-                f"this client already has {usage.jobs} checkpoints being written (limit "
-                f"{self.limits.max_client_jobs}); wait for one to finish",
+                f"uid {staged.uid} already has {usage.jobs} checkpoints being written (limit "
+                f"{self.limits.max_user_jobs}, max_jobs); wait for one to finish",
             )
         job = next(self._job_ids)
         try:
@@ -254,19 +307,20 @@ class Store:
         cancel it or commit again — unless its layout was released meanwhile.
         """
         slot.finish(job)
-        usage = self.usage.get(session)
-        if usage is not None:
-            usage.jobs -= 1
+        self._job_ended(staged)
         if staged.released:
             return
         slot.acquire(session)
 
     def end_job(self, session: int, staged: StagedLayout, slot: Slot, job: int) -> None:
         slot.finish(job)
-        usage = self.usage.get(session)
+        self._job_ended(staged)
+        self.hand_over(staged, slot)
+
+    def _job_ended(self, staged: StagedLayout) -> None:
+        usage = self.usage.get(staged.uid)
         if usage is not None:
             usage.jobs -= 1
-        self.hand_over(staged, slot)
 
     def release_slot(self, session: int, staged: StagedLayout, slot: Slot) -> None:
         try:
@@ -302,15 +356,26 @@ class Store:
         if not staged.released or not staged.idle() or staged.id not in self.layouts:
             return None
         del self.layouts[staged.id]
-        self.unreserve(staged.owner, staged.bytes_reserved, staged.segment_count)
+        own = self.by_session.get(staged.owner)
+        if own is not None:
+            own.pop(staged.id, None)
+            if not own and staged.owner not in self.uids:  # its connection is gone too
+                del self.by_session[staged.owner]
+        self.unreserve(staged.uid, staged.bytes_reserved, staged.segment_count)
         return staged.segment_names()
 
     def layouts_of(self, session: int) -> list[StagedLayout]:
-        return [staged for staged in self.layouts.values() if staged.owner == session]
+        return list(self.by_session.get(session, {}).values())
 
     def forget_client(self, session: int) -> None:
-        if not self.layouts_of(session):
-            self.usage.pop(session, None)
+        """The connection ended: one connection fewer for its user."""
+        uid = self.uids.pop(session, -1)
+        if not self.by_session.get(session):
+            self.by_session.pop(session, None)
+        usage = self.usage.get(uid)
+        if usage is not None:
+            usage.connections -= 1
+            self._forget_if_idle(uid)
 
     def all_segment_names(self) -> list[str]:
         return [name for staged in self.layouts.values() for name in staged.segment_names()]

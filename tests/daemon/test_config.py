@@ -191,7 +191,8 @@ def test_unknown_key_is_named_with_its_table_and_the_allowed_keys(tmp_path: Path
     message = rejection(tmp_path, "[limits]\nmax_job = 3\n")
     assert message == (
         f"{tmp_path / 'shmstaged.toml'}: unknown key [limits] max_job (allowed: shm_budget, "
-        "max_bytes, max_segments, max_layouts, max_jobs, default_slots); did you mean max_jobs?"
+        "max_bytes, max_segments, max_layouts, max_jobs, max_connections, max_prepared, "
+        "max_journal_bytes, max_buffered_bytes, default_slots); did you mean max_jobs?"
     )
 
 
@@ -449,6 +450,7 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
         "server": ["socket_path", "allowed_users", "allowed_groups", "shutdown_timeout",
                    "metrics_port", "journal_dir", "allow_disk_journal"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
+                   "max_connections", "max_prepared", "max_journal_bytes", "max_buffered_bytes",
                    "default_slots"],
         "storage": ["writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io",
                     "fsync"],

@@ -162,7 +162,7 @@ def test_configured_limits_slots_and_json_logs_apply(tmp_path: Path, ckpt: Path)
             with ControlClient(daemon.socket) as control:
                 status = control.status()
             assert status["shm_budget_bytes"] == 64 << 20
-            assert status["limits"]["max_client_layouts"] == 1
+            assert status["limits"]["max_user_layouts"] == 1
             assert status["config"] == str(config)
             with pytest.raises(StagingLimitExceeded, match="shared-memory budget"):
                 stager.save({"big": torch.ones(32 << 20, dtype=torch.uint8)}, ckpt / "b")
@@ -250,15 +250,17 @@ def test_sighup_applies_a_new_limit_to_new_registrations_without_dropping_client
         reload = manager.receive_until("READY=1")
         assert any("RELOADING=1" in m for _, m in reload)
         with ControlClient(daemon.socket) as control:
-            assert control.status()["limits"]["max_client_segments"] == 1
+            assert control.status()["limits"]["max_user_segments"] == 1
         # The connected client keeps its session and its two-segment layout...
         connected.save({"a": torch.full((4,), 2.0), "b": torch.ones(4)}, ckpt / "2").wait(WAIT_S)
         assert checkpoint.verify(ckpt / "2") == []
-        # ...while new registrations meet the new limit.
+        # ...while new registrations meet the new limit, which is per user: this uid
+        # already holds two segments through the first connection.
         with Stager(daemon.socket, slots=1) as newcomer:
             with pytest.raises(StagingLimitExceeded, match="over its limit of 1"):
                 newcomer.save({"a": torch.ones(4), "b": torch.ones(4)}, ckpt / "3")
-            newcomer.save({"a": torch.ones(4)}, ckpt / "4").wait(WAIT_S)
+            with pytest.raises(StagingLimitExceeded, match="for all its connections together"):
+                newcomer.save({"a": torch.ones(4)}, ckpt / "4")
 
         # A bad file on reload is reported and the running configuration stays.
         write_config(config, "[limits]\nmax_segments = 0\nbogus = 1\n")
@@ -270,7 +272,7 @@ def test_sighup_applies_a_new_limit_to_new_registrations_without_dropping_client
         assert "unknown key [limits] bogus" in log
         assert "configuration NOT reloaded" in log
         with ControlClient(daemon.socket) as control:
-            assert control.status()["limits"]["max_client_segments"] == 1
+            assert control.status()["limits"]["max_user_segments"] == 1
         connected.save({"a": torch.ones(4), "b": torch.ones(4)}, ckpt / "5").wait(WAIT_S)
         connected.close()
     finally:

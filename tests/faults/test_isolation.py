@@ -19,6 +19,8 @@ from fault_helpers import (
 from harness import RawClient, wait_for
 from shmstage_client import Stager, StagingLimitExceeded
 
+from shmstage.control import ControlClient
+
 
 def test_a_uid_outside_the_allowlist_is_refused_clearly(daemons, world: Path) -> None:
     daemon = daemons(where=world / "d")
@@ -177,43 +179,60 @@ def small(seed: int) -> dict:
     return make_state(seed, numel=1 << 12)
 
 
-def test_per_client_limits_are_enforced_and_spare_other_clients(daemons, tmp_path: Path) -> None:
-    daemon = daemons(
-        "--max-bytes", "1MiB", "--max-segments", "8", "--max-layouts", "2", "--max-jobs", "1",
+def test_per_user_limits_are_enforced_and_spare_other_users(daemons, world: Path) -> None:
+    """Limits hold per uid, across all its connections: a user cannot get around them by
+    connecting again, and another user (nobody, a real second uid) saves undisturbed."""
+    daemon = admitting_nobody(
+        daemons, world,
+        "--max-bytes", "1MiB", "--max-segments", "16", "--max-layouts", "2", "--max-jobs", "1",
         env={"SHMSTAGE_FAULT": "pause-mid-stream:2"},
     )  # fmt: skip
-    neighbour = Stager(daemon.socket, slots=1)
     with Stager(daemon.socket, slots=1) as greedy:
         with pytest.raises(StagingLimitExceeded, match="over its limit of 1048576") as info:
-            greedy.save({"w": torch.ones(1 << 19)}, tmp_path / "bytes")  # 2 MiB
-        assert "bytes" in str(info.value)
-        nine = {f"t{i}": torch.ones(4) for i in range(9)}
-        with pytest.raises(StagingLimitExceeded, match=r"9 segments, over its limit of 8"):
-            greedy.save(nine, tmp_path / "segments")
-        raw = RawClient(daemon.socket)
-        for i in range(3):
+            greedy.save({"w": torch.ones(1 << 19)}, world / "bytes")  # 2 MiB
+        assert "bytes" in str(info.value) and "max_bytes" in str(info.value)
+        many = {f"t{i}": torch.ones(4) for i in range(17)}
+        with pytest.raises(StagingLimitExceeded, match=r"17 segments, over its limit of 16"):
+            greedy.save(many, world / "segments")
+        # Layouts are counted for the user, whichever connection registers them.
+        raws = [RawClient(daemon.socket) for _ in range(3)]
+        for i, raw in enumerate(raws):
             raw.request("register", {"tensors": [[f"k{i}", "U8", [1], None]], "slots": 1})
             frame = raw.frame()
             if i < 2:
                 for fd in raw.frame().fds:
                     os.close(fd)
         assert frame.body["code"] == "limit_exceeded" and "3 layouts" in frame.body["message"]
-        raw.close()
-        # One job at a time: the second commit, while the first streams, is refused...
-        with Stager(daemon.socket, slots=2) as busy:
-            first = busy.save(small(3), tmp_path / "first")
-            daemon.wait_log("fault: pausing at mid-stream")
-            with pytest.raises(StagingLimitExceeded, match=r"being written \(limit 1\)"):
-                busy.save(small(4), tmp_path / "second")
-            assert not (tmp_path / "second").exists()  # refused: nothing made for it
-            # ...while another client, under its own limits, saves as if nothing happened.
-            neighbour.save(single_tensor_state(5), tmp_path / "neighbour").wait(60)
-            first.wait(60)
-            busy.save(small(4), tmp_path / "second").wait(60)  # its slot came back
-    neighbour.close()
-    assert_checkpoint_equals(tmp_path / "first", small(3))
-    assert_checkpoint_equals(tmp_path / "second", small(4))
-    assert_checkpoint_equals(tmp_path / "neighbour", single_tensor_state(5))
-    for name in ("bytes", "segments"):
-        assert not (tmp_path / name).exists()
-    wait_for(lambda: daemon.segments() == [], 10, "every client's segments to go")
+        assert "for all its connections together" in frame.body["message"]
+        for raw in raws:
+            raw.close()
+        # A 1-byte tensor is charged the page it takes in /dev/shm, not 1 byte.
+        wait_for(lambda: len(daemon.segments()) == 0, 10, "the raw clients' layouts to go")
+        tiny = {f"b{i}": torch.ones(1, dtype=torch.uint8) for i in range(8)}
+        greedy.save(tiny, world / "tiny").wait(60)
+        with ControlClient(daemon.socket) as control:
+            status = control.status()
+        assert status["shm_reserved_bytes"] == 8 * 4096
+    # One job at a time for this user: the second commit, while the first streams, is
+    # refused, even from another connection...
+    with Stager(daemon.socket, slots=2) as busy, Stager(daemon.socket, slots=1) as other:
+        first = busy.save(small(3), world / "first")
+        daemon.wait_log("fault: pausing at mid-stream")
+        with pytest.raises(StagingLimitExceeded, match=r"being written \(limit 1, max_jobs\)"):
+            other.save(small(4), world / "second")
+        assert not (world / "second").exists()  # refused: nothing made for it
+        # ...while another user, under its own limits, saves as if nothing happened.
+        nobody_dir(world / "theirs")
+        out = run_as(
+            f"""
+            with Stager("{daemon.socket}", slots=1) as stager:
+                stager.save({{"w": torch.full((1000,), 5.0)}}, "{world}/theirs/ckpt").wait(60)
+            print("SAVED")
+            """
+        )
+        assert "SAVED" in out
+        first.wait(60)
+        other.save(small(4), world / "second").wait(60)  # the user's job slot came back
+    assert_checkpoint_equals(world / "first", small(3))
+    assert_checkpoint_equals(world / "second", small(4))
+    assert_checkpoint_equals(world / "theirs" / "ckpt", {"w": torch.full((1000,), 5.0)})
