@@ -203,6 +203,8 @@ class Frame:
     id: int
     body: dict[str, Any]
     fds: tuple[int, ...] = field(default=())
+    #: Its encoded size, for accounting what it may cost to keep (a journal entry).
+    size: int = 0
 
 
 def encode_frame(
@@ -412,7 +414,7 @@ class Connection:
         except ProtocolError as exc:
             self._close_all(fds)
             self._fail(exc)
-        return Frame(op, request_id, message, fds)
+        return Frame(op, request_id, message, fds, len(payload))
 
     def _check(self, op: object, body: dict[str, Any], request_id: int) -> None:
         if not isinstance(op, str) or op not in self._peer_ops:

@@ -359,6 +359,7 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "socket_path": ("server", "socket_path", _absolute_path),
     "allowed_users": ("server", "allowed_users", _users),
     "allowed_groups": ("server", "allowed_groups", _groups),
+    "operator_groups": ("server", "operator_groups", _groups),
     "shutdown_timeout": ("server", "shutdown_timeout", _seconds),
     "metrics_port": ("server", "metrics_port", _optional_port),
     "journal_dir": ("server", "journal_dir", _absolute_path),
@@ -413,6 +414,7 @@ class Config:
     socket_path: Path = field(default_factory=lambda: default_socket_path(prefer_system=False))
     allowed_users: frozenset[int] = field(default_factory=_own_and_root)
     allowed_groups: frozenset[int] = frozenset()
+    operator_groups: frozenset[int] = frozenset()
     shutdown_timeout: float = 60.0
     metrics_port: int | None = None
     journal_dir: Path = Path("/dev/shm")

@@ -287,6 +287,7 @@ def settings_of(config: Config) -> Settings:
         fsync=config.fsync == "always",
         shutdown_timeout=config.shutdown_timeout,
         default_slots=config.default_slots,
+        operator_gids=config.operator_groups,
         journal_root=config.journal_dir,
         allow_disk_journal=config.allow_disk_journal,
         config_source=config.source,
@@ -302,6 +303,7 @@ def describe(config: Config) -> str:
         f"  socket_path      {config.socket_path}",
         f"  allowed_users    {sorted(config.allowed_users)}",
         f"  allowed_groups   {sorted(config.allowed_groups)}",
+        f"  operator_groups  {sorted(config.operator_groups)}",
         f"  shutdown_timeout {config.shutdown_timeout:g} s",
         f"  metrics_port     {config.metrics_port or 'off'}",
         f"  journal_dir      {config.journal_dir}"

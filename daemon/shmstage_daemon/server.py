@@ -77,12 +77,15 @@ class Settings:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     default_slots: int = 2
     config_source: Path | None = None
+    #: Groups whose members see every user's clients and jobs in ``shmstage status``.
+    operator_gids: frozenset[int] = frozenset()
     #: Where instances' journal directories live; memory-backed unless allow_disk_journal.
     journal_root: Path = Path("/dev/shm")
     allow_disk_journal: bool = False
 
     #: What a SIGHUP reload can change in a running daemon; the rest needs a restart.
-    RELOADABLE = ("limits", "allowlist", "fsync", "shutdown_timeout", "default_slots")
+    RELOADABLE = ("limits", "allowlist", "fsync", "shutdown_timeout", "default_slots",
+                  "operator_gids")
 
 
 @dataclass
@@ -140,6 +143,8 @@ class Daemon:
         self._adopted: dict[str, journal.Journal] = {}
         #: job id -> journal entry name, for jobs acknowledged by this instance.
         self._journaled: dict[int, str] = {}
+        #: job id -> (uid, bytes) charged for its journal entry (max_journal_bytes).
+        self._journal_charges: dict[int, tuple[int, int]] = {}
         #: job id -> journal entry name, for commits journaled pending (see journal_commit).
         self._pending_entries: dict[int, str] = {}
         #: Journal entries of dead instances' jobs not finished yet, by entry name.
@@ -526,6 +531,19 @@ class Daemon:
     def journal_path(self) -> Path:
         return self.journal.directory
 
+    def charge_journal(self, job_id: int, session_id: int, nbytes: int) -> None:
+        """Charge a job's journal entry to its user before it is written; refuses over
+        ``max_journal_bytes``. Released with the entry (``release_journal``)."""
+        limit = self.store.limits.max_user_journal_bytes
+        self.store.charge(session_id, "journal_bytes", nbytes, limit, "max_journal_bytes")
+        self._journal_charges[job_id] = (self.store.uids.get(session_id, -1), nbytes)
+
+    def release_journal(self, job_id: int) -> None:
+        uid, nbytes = self._journal_charges.pop(job_id, (None, 0))
+        usage = self.store.usage.get(uid) if uid is not None else None
+        if usage is not None:
+            usage.journal_bytes -= nbytes
+
     async def journal_commit(
         self, persist: job.PersistJob, wire: SlotWire, peer: Peer, *, owed: bool = True
     ) -> None:
@@ -539,6 +557,7 @@ class Daemon:
             self._journal_io, self._journal_sync, persist, wire, peer, self.fsync, owed
         )
         if directory is None:
+            self.release_journal(persist.id)
             log.warning(
                 "job %d: shmstaged cannot reach the checkpoint directory by path (another "
                 "mount namespace?), so it is not journaled: a daemon restart before it is "
@@ -562,6 +581,7 @@ class Daemon:
 
     def journal_discard(self, job_id: int) -> None:
         """Drop a pending entry whose commit will not happen."""
+        self.release_journal(job_id)
         name = self._pending_entries.pop(job_id, None)
         if name is not None:
             loop = asyncio.get_running_loop()
@@ -586,6 +606,7 @@ class Daemon:
         return directory
 
     def _unjournal(self, job_id: int) -> None:
+        self.release_journal(job_id)
         name = self._journaled.pop(job_id, None)
         if name is not None:
             self._remove_entry(name)
@@ -715,6 +736,7 @@ class Daemon:
                 result.bytes,
                 result.seconds,
                 record.directory,
+                record.session.peer.uid,
             ),
             result.code,
             result.message,
@@ -723,11 +745,23 @@ class Daemon:
         if record.session.open:
             record.session.spawn(record.session.job_finished(record.persist, result))
 
-    def status(self) -> dict[str, Any]:
-        """Everything ``shmstage status`` shows; plain data (it travels as msgpack)."""
+    def sees_everyone(self, peer: Peer) -> bool:
+        """Root, the daemon's own user and the operator groups see every user's clients,
+        jobs and errors; anyone else only their own (uids, pids and checkpoint paths of
+        other users are theirs)."""
+        return peer.uid in (0, os.geteuid()) or bool(peer.groups & self.settings.operator_gids)
+
+    def status(self, viewer: Peer | None = None) -> dict[str, Any]:
+        """Everything ``shmstage status`` shows (to ``viewer``); plain data (it travels as
+        msgpack). Costs what the viewer may see: the sessions and jobs of its uid."""
         now = time.perf_counter()
         cap = measure_shm()
         limits = self.store.limits
+        only = None if viewer is None or self.sees_everyone(viewer) else viewer.uid
+        sessions = [s for s in self.sessions.values() if only is None or s.peer.uid == only]
+        jobs = {
+            jid: r for jid, r in self.jobs.items() if only is None or r.session.peer.uid == only
+        }
         return {
             "version": __version__,
             "instance": self.instance,
@@ -747,7 +781,7 @@ class Daemon:
                 "memory_available_bytes": cap.mem_available,
             },
             "limits": {**limits.to_wire(), "default_slots": self.settings.default_slots},
-            "clients": [self._client_status(s) for s in self.sessions.values()],
+            "clients": [self._client_status(s, jobs) for s in sessions],
             "jobs": [
                 {
                     "job": jid,
@@ -760,16 +794,17 @@ class Daemon:
                     "phase": r.persist.progress.phase,
                     "running_seconds": now - r.started,
                 }
-                for jid, r in self.jobs.items()
+                for jid, r in jobs.items()
             ],
-            "recent": self.telemetry.recent(),
-            "errors": self.telemetry.recent_errors(),
+            "recent": self.telemetry.recent(uid=only),
+            "errors": self.telemetry.recent_errors(uid=only),
             "totals": dict(self.stats),
+            "restricted_to_uid": only,
         }
 
-    def _client_status(self, session: Session) -> dict[str, Any]:
+    def _client_status(self, session: Session, jobs: dict[int, JobRecord]) -> dict[str, Any]:
         layouts = self.store.layouts_of(session.id)
-        usage = self.store.usage.get(session.id)
+        usage = self.store.usage.get(session.peer.uid)
         return {
             "id": session.id,
             "name": session.client_name,
@@ -779,7 +814,8 @@ class Daemon:
             "layouts": len(layouts),
             "segments": sum(x.segment_count for x in layouts),
             "bytes": sum(x.bytes_reserved for x in layouts),
-            "jobs": usage.jobs if usage is not None else 0,
+            "jobs": sum(1 for r in jobs.values() if r.session is session),
+            "user_jobs": usage.jobs if usage is not None else 0,
         }
 
     def metrics(self) -> dict[str, Any]:

@@ -53,6 +53,13 @@ MAX_METADATA_ENTRIES = 10_000
 MAX_UNREPORTED_JOBS = 64
 #: Acquires of one layout that may wait at once; more is a client loop gone wrong.
 MAX_WAITERS_PER_LAYOUT = 64
+#: A connection must say hello within this long, and a frame whose first byte arrived must
+#: be complete within FRAME_TIMEOUT_S: an idle or trickling peer holds nothing for long.
+HELLO_TIMEOUT_S = 10.0
+FRAME_TIMEOUT_S = 30.0
+#: A commit sent ahead of its copy ("prepared") is dropped if its "ready" does not come
+#: within this long: it holds a slot, a journal entry and the client's tree meanwhile.
+PREPARED_TIMEOUT_S = 300.0
 
 
 class RequestError(Exception):
@@ -73,6 +80,13 @@ class Session:
         self.conn = Connection(Role.DAEMON, max_frame_bytes=daemon.max_frame_bytes)
         self.client_name = "?"
         self.open = True
+        self.greeted = False
+        self._opened = time.monotonic()
+        #: When the frame now arriving began to arrive, and the buffered bytes charged to
+        #: this user for it (``max_buffered_bytes``).
+        self._frame_started = 0.0
+        self._buffer_charged = 0
+        self._prepared_expiry: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: Commits sent while the client's copy still ran ("ready": false), by job id,
         #: until its "ready" starts them (or a cancel or disconnect drops them).
@@ -95,10 +109,11 @@ class Session:
     async def run(self) -> None:
         try:
             while self.open:
-                data, fds = await self.transport.recv()
+                data, fds = await self._receive()
                 self.conn.receive_data(data, fds)
                 while self.open and (frame := self.conn.next_frame()) is not None:
                     await self._dispatch(frame)
+                self._account_buffer()
         except EOFError:
             log.info("%s disconnected", self.describe())
         except ProtocolError as exc:
@@ -114,10 +129,45 @@ class Session:
         finally:
             self.close()
 
+    async def _receive(self) -> tuple[bytes, list[int]]:
+        """The next bytes from the client, within whichever deadline applies now."""
+        if not self.greeted:
+            deadline, why = self._opened + HELLO_TIMEOUT_S, f"no hello within {HELLO_TIMEOUT_S:g} s"
+        elif self.conn.buffered:
+            deadline = self._frame_started + FRAME_TIMEOUT_S
+            why = f"a frame was not complete {FRAME_TIMEOUT_S:g} s after it began"
+        else:
+            return await self.transport.recv()  # a trainer may idle between saves
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await self.transport.recv()
+        except TimeoutError:
+            raise ProtocolError(ErrorCode.BAD_FRAME, why) from None
+
+    def _account_buffer(self) -> None:
+        """Charge the bytes of a frame still arriving to the user (``max_buffered_bytes``)."""
+        buffered = self.conn.buffered
+        if buffered and not self._buffer_charged:
+            self._frame_started = time.monotonic()
+        delta, self._buffer_charged = buffered - self._buffer_charged, buffered
+        try:
+            self.store.charge(
+                self.id,
+                "buffered_bytes",
+                delta,
+                self.store.limits.max_user_buffered_bytes,
+                "max_buffered_bytes",
+            )
+        except StoreError as exc:
+            self._buffer_charged -= delta
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, exc.message) from None
+
     def close(self) -> None:
         if not self.open:
             return
         self.open = False
+        self.store.charge(self.id, "buffered_bytes", -self._buffer_charged, 0, "")
+        self._buffer_charged = 0
         for job_id in list(self._prepared):
             self._drop_prepared(job_id)
         for task in self._tasks:
@@ -143,10 +193,14 @@ class Session:
                 raise RequestError(ErrorCode.BAD_REQUEST, why)
             await handler(frame)
         except (RequestError, StoreError) as exc:
-            self.daemon.telemetry.error(self.describe(), str(exc.code), exc.message)
+            self.daemon.telemetry.error(
+                self.describe(), str(exc.code), exc.message, uid=self.peer.uid
+            )
             await self._send_error(frame.id, exc.code, exc.message)
         except LayoutError as exc:
-            self.daemon.telemetry.error(self.describe(), str(ErrorCode.BAD_REQUEST), str(exc))
+            self.daemon.telemetry.error(
+                self.describe(), str(ErrorCode.BAD_REQUEST), str(exc), uid=self.peer.uid
+            )
             await self._send_error(frame.id, ErrorCode.BAD_REQUEST, str(exc))
 
     async def send(
@@ -178,6 +232,7 @@ class Session:
     # -- operations --------------------------------------------------------------
 
     async def _op_hello(self, frame: Frame) -> None:
+        self.greeted = True
         self.client_name = frame.body["client"][:128]
         log.info("%s connected (client pid %s)", self.describe(), frame.body["pid"])
         await self.send(
@@ -192,7 +247,7 @@ class Session:
         )
 
     async def _op_status(self, frame: Frame) -> None:
-        await self.send("status", frame.id, {"status": self.daemon.status()})
+        await self.send("status", frame.id, {"status": self.daemon.status(self.peer)})
 
     async def _op_metrics(self, frame: Frame) -> None:
         await self.send("metrics", frame.id, {"metrics": self.daemon.metrics()})
@@ -238,6 +293,10 @@ class Session:
             "registered", frame.id, {"layout": staged.id, "slots": slots, "segments": len(flat)}
         )
         for first in range(0, len(flat), batch):
+            # One batch in flight at a time: descriptors unread by the client are charged
+            # to the daemon's user (see Transport.drained); a client that stops reading is
+            # dropped after the send timeout.
+            await self.transport.drained(self.transport.send_timeout)
             fds = [segment.open_fd(ref, writable=True) for ref in flat[first : first + batch]]
             try:
                 await self.send("segment_fds", frame.id, {"layout": staged.id, "first": first}, fds)
@@ -332,11 +391,19 @@ class Session:
                 raise RequestError(ErrorCode.BAD_REQUEST, "metadata has too many entries")
             _check_json(metadata, "commit.metadata")
             _check_tree(body["tree"], staged.layout)
-            job_id = self.store.begin_job(self.id, staged, slot)
+            ready = body.get("ready", True)
+            if not ready:
+                limit = self.store.limits.max_user_prepared
+                self.store.charge(self.id, "prepared", 1, limit, "max_prepared")
+            try:
+                job_id = self.store.begin_job(self.id, staged, slot)
+            except BaseException:
+                if not ready:
+                    self.store.charge(self.id, "prepared", -1, 0, "")
+                raise
         except BaseException:
             destination.close()
             raise
-        ready = body.get("ready", True)
         persist = job.PersistJob(
             id=job_id,
             layout=staged.layout,
@@ -356,11 +423,22 @@ class Session:
             fsync=self.daemon.fsync,
             peer=self.peer,
         )
+        wire = staged.wire(slot)
         try:
+            # The entry will hold about this frame and the slot's record: charged to the
+            # user (max_journal_bytes) until the entry goes, so that nobody fills the
+            # journal's filesystem (a container's 64 MiB /dev/shm) for everyone.
+            self.daemon.charge_journal(
+                job_id, self.id, frame.size + sum(len(part) for part in wire.packed.values())
+            )
             # Durable before acknowledged: a daemon killed after "committed" still owes it.
-            await self.daemon.journal_commit(persist, staged.wire(slot), self.peer, owed=ready)
-        except OSError as exc:
+            await self.daemon.journal_commit(persist, wire, self.peer, owed=ready)
+        except (OSError, StoreError) as exc:
+            if not ready:
+                self.store.charge(self.id, "prepared", -1, 0, "")
             self._abandon_commit(job_id, persist, staged, slot)
+            if isinstance(exc, StoreError):
+                raise
             raise self._journal_failed(exc) from None
         reply = {"layout": staged.id, "slot": slot.index, "job": job_id}
         if ready:
@@ -368,8 +446,12 @@ class Session:
             await self.send("committed", frame.id, reply)
             return
         # Prepared: the client is still copying. The slot stays out of everyone's reach
-        # and the job waits for "ready"; without it (cancel, disconnect) it is dropped.
+        # and the job waits for "ready"; without it (cancel, disconnect, the deadline) it
+        # is dropped.
         self._prepared[job_id] = (persist, staged, slot)
+        self._prepared_expiry[job_id] = asyncio.get_running_loop().call_later(
+            PREPARED_TIMEOUT_S, self._expire_prepared, job_id
+        )
         if not self.open:  # the client left while the entry was being written
             self._drop_prepared(job_id)
             return
@@ -403,6 +485,7 @@ class Session:
                 f"no prepared commit {job_id} of slot {slot_index} of layout {layout_id}",
             )
         del self._prepared[job_id]
+        self._unprepare(job_id)
         try:
             await self.daemon.journal_publish(job_id)
         except OSError as exc:
@@ -428,8 +511,26 @@ class Session:
         self.daemon.start_job(self, staged, slot, persist)
 
     def _drop_prepared(self, job_id: int) -> None:
-        """A prepared commit that will not happen (cancel, disconnect)."""
+        """A prepared commit that will not happen (cancel, disconnect, deadline)."""
+        self._unprepare(job_id)
         self._abandon_commit(job_id, *self._prepared.pop(job_id))
+
+    def _unprepare(self, job_id: int) -> None:
+        timer = self._prepared_expiry.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.store.charge(self.id, "prepared", -1, 0, "")
+
+    def _expire_prepared(self, job_id: int) -> None:
+        if job_id not in self._prepared:
+            return
+        log.warning(
+            "%s: commit %d waited %g s for its ready; dropped (the slot is the client's again)",
+            self.describe(),
+            job_id,
+            PREPARED_TIMEOUT_S,
+        )
+        self._drop_prepared(job_id)
 
     def _abandon_commit(
         self, job_id: int, persist: job.PersistJob, staged: StagedLayout, slot: Slot

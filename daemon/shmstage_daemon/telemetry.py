@@ -34,6 +34,7 @@ class FinishedJob:
     bytes: int
     persist_seconds: float
     directory: str
+    uid: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class RecentError:
     code: str
     message: str
     job: int | None = None
+    uid: int = -1
 
 
 def plausible(seconds: float | None) -> bool:
@@ -115,20 +117,26 @@ class Telemetry:
             self.registry.inc("bytes_written_total", job.bytes)
             self.registry.observe("save_bytes", job.bytes)
         else:
-            self.error(job.client, code, message, job=job.job)
+            self.error(job.client, code, message, job=job.job, uid=job.uid)
 
-    def error(self, client: str, code: str, message: str, *, job: int | None = None) -> None:
+    def error(
+        self, client: str, code: str, message: str, *, job: int | None = None, uid: int = -1
+    ) -> None:
         self.registry.inc("errors_total", code=code or "unknown")
         self.errors.append(
-            RecentError(time.time(), client, code[:64], shorten(message, MAX_ERROR_CHARS), job)
+            RecentError(
+                time.time(), client, code[:64], shorten(message, MAX_ERROR_CHARS), job, uid
+            )
         )
 
     # -- views -------------------------------------------------------------------
 
-    def recent(self, now: float | None = None) -> dict[str, Any]:
-        """Saves finished in the last THROUGHPUT_WINDOW_S seconds and their write speed."""
+    def recent(self, now: float | None = None, uid: int | None = None) -> dict[str, Any]:
+        """Saves finished in the last THROUGHPUT_WINDOW_S seconds and their write speed
+        (only ``uid``'s, when given: what an unprivileged user may see)."""
         now = time.time() if now is None else now
-        window = [j for j in self.jobs if now - j.finished_unix <= THROUGHPUT_WINDOW_S and j.ok]
+        mine = [j for j in self.jobs if uid is None or j.uid == uid]
+        window = [j for j in mine if now - j.finished_unix <= THROUGHPUT_WINDOW_S and j.ok]
         written = sum(j.bytes for j in window)
         busy = sum(j.persist_seconds for j in window)
         return {
@@ -136,11 +144,11 @@ class Telemetry:
             "saves": len(window),
             "bytes": written,
             "write_bytes_per_second": written / busy if busy > 0 else 0.0,
-            "jobs": [asdict(j) for j in list(self.jobs)[-10:]],
+            "jobs": [asdict(j) for j in mine[-10:]],
         }
 
-    def recent_errors(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in self.errors]
+    def recent_errors(self, uid: int | None = None) -> list[dict[str, Any]]:
+        return [asdict(e) for e in self.errors if uid is None or e.uid == uid]
 
     def snapshot(self, gauges: dict[str, float]) -> dict[str, Any]:
         for name, value in gauges.items():

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import socket
+import struct
+import termios
 from collections.abc import Sequence
 from typing import Final
 
@@ -94,6 +97,30 @@ class Transport:
                 view = view[sent:]
             except (BlockingIOError, InterruptedError):
                 await self._ready(write=True)
+
+    async def drained(self, timeout: float) -> None:
+        """Until the peer has read everything sent so far (SIOCOUTQ is 0), or TimeoutError.
+
+        Descriptors in flight on a unix socket are charged to the *sender's* user until
+        the receiver reads them: a client that asks for 60,000 segments and never reads
+        would hold the daemon user's quota of in-flight descriptors and make every other
+        user's registration fail with ETOOMANYREFS. So each batch waits for the last.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        delay = 0.0002
+        while self._unread() > 0:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the peer read nothing for {timeout:g} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _unread(self) -> int:
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            return 0
 
     def close(self) -> None:
         if not self.closed:

@@ -447,7 +447,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
     document = tomllib.loads(text)
     defaults = Config()
     table_keys = {
-        "server": ["socket_path", "allowed_users", "allowed_groups", "shutdown_timeout",
+        "server": ["socket_path", "allowed_users", "allowed_groups", "operator_groups",
+                   "shutdown_timeout",
                    "metrics_port", "journal_dir", "allow_disk_journal"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "max_connections", "max_prepared", "max_journal_bytes", "max_buffered_bytes",
@@ -472,6 +473,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
                 assert value == [] and defaults.allowed_users == {os.getuid(), 0}
             elif isinstance(getattr(defaults, field), Path):
                 assert getattr(defaults, field) == Path(value), f"[{table}] {key}"
+            elif isinstance(getattr(defaults, field), frozenset):
+                assert getattr(defaults, field) == frozenset(value), f"[{table}] {key}"
             else:
                 assert getattr(defaults, field) == value, f"[{table}] {key}"
 
