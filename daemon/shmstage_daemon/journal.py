@@ -354,14 +354,23 @@ def open_directory(path: str, expected: FileId) -> int:
 
 
 def _open_file(dir_fd: int, candidates: tuple[str, ...], expected: FileId) -> int | None:
-    """A write descriptor on whichever candidate name still holds the expected file."""
+    """A write descriptor on whichever candidate name still holds the expected file.
+
+    Opened ``O_NONBLOCK``: a FIFO planted under a temporary name after a crash would
+    otherwise block the writer thread in ``open()`` forever (O_WRONLY on a FIFO waits for
+    a reader; with O_NONBLOCK it fails at once). The type is checked before anything else,
+    then the flag is cleared for the regular file.
+    """
     for name in candidates:
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(
+                name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+            )
         except OSError:
             continue
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == expected:
+            os.set_blocking(fd, True)
             return fd
         os.close(fd)
     return None

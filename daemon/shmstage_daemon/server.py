@@ -455,6 +455,7 @@ class Daemon:
         for name in Settings.RELOADABLE:
             setattr(old, name, getattr(new, name))
         self.fsync = new.fsync
+        self._end_refused_sessions()
         needs_restart = []
         for name in ("writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io"):
             if getattr(new, name) != getattr(old, name):
@@ -462,6 +463,21 @@ class Daemon:
         if new.socket_path != old.socket_path and not self.activated:
             needs_restart.append("socket_path")
         return needs_restart
+
+    def _end_refused_sessions(self) -> None:
+        """After a reload, a user no longer allowed is not served any more: its sessions
+        end (told why). Checkpoints it already committed are acknowledged and still
+        written; what it had merely prepared is dropped with the session."""
+        allowlist = self.settings.allowlist
+        for session in list(self.sessions.values()):
+            if allowlist.admits(session.peer):
+                continue
+            log.warning("reload: %s is no longer allowed; ending its session", session.describe())
+            message = (
+                f"uid {session.peer.uid} is no longer allowed to use shmstaged (the "
+                "configuration was reloaded); checkpoints already committed are still written"
+            )
+            self._track(asyncio.ensure_future(session.end(ErrorCode.NOT_ALLOWED, message)))
 
     def check_capacity(self, nbytes: int) -> None:
         """Refuse a registration that /dev/shm or the node's memory cannot back right now.

@@ -162,6 +162,11 @@ class Session:
             self._buffer_charged -= delta
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, exc.message) from None
 
+    async def end(self, code: ErrorCode, message: str) -> None:
+        """End the session from the daemon's side, telling the client why."""
+        await self._send_error(0, code, message, fatal=True)
+        self.close()
+
     def close(self) -> None:
         if not self.open:
             return
