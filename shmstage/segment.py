@@ -151,6 +151,11 @@ def open_fd(ref: SegmentRef, *, writable: bool) -> int:
         shm = posix_ipc.SharedMemory(ref.name, 0, read_only=not writable)
     except posix_ipc.ExistentialError as exc:
         raise SegmentError(errno.ENOENT, f"segment {ref.name} vanished: {exc}") from exc
+    except OSError as exc:
+        if exc.errno is None and "maximum number of files" in str(exc):
+            # posix_ipc reports EMFILE without an errno: give callers one to act on.
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from None
+        raise
     return shm.fd
 
 

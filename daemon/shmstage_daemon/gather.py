@@ -18,7 +18,9 @@ just before writing it (``scheduler.Chunk.verify``).
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Final
 
@@ -28,7 +30,34 @@ from shmstage.segment import SegmentRef
 from shmstage_daemon import faults
 from shmstage_daemon.scheduler import Check, Chunk, JobWrites
 
+log = logging.getLogger("shmstaged.gather")
+
 PIECE_BYTES: Final = 1 << 20
+
+
+#: How long a job keeps retrying to open a segment while the daemon is out of descriptors.
+FD_RETRY_S: Final = 120.0
+
+
+def open_segment(ref: SegmentRef) -> int:
+    """A read descriptor on a staged segment, waiting out a shortage of descriptors.
+
+    An acknowledged checkpoint must not fail for a resource another client can take: if
+    connections (of any user) have pushed the daemon to its descriptor limit, the job waits
+    for one to come free (bounded, with back-off) instead of failing and removing its files.
+    """
+    deadline = time.monotonic() + FD_RETRY_S
+    delay = 0.01
+    while True:
+        try:
+            return segment.open_fd(ref, writable=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or time.monotonic() > deadline:
+                raise
+            if delay == 0.01:
+                log.warning("out of file descriptors opening a staged segment; retrying")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
 
 class Gatherer:
@@ -53,7 +82,7 @@ class Gatherer:
         """Gather a tensor's ``nbytes`` from its segment; returns their CRC-32C."""
         if nbytes == 0:
             return 0
-        fd = segment.open_fd(ref, writable=False)
+        fd = open_segment(ref)
         try:
 
             def read(target: memoryview, at: int) -> None:
