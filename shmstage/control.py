@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmstage.paths import connect_problem, default_socket_path
+from shmstage.paths import UntrustedDaemon, check_daemon, connect_problem, default_socket_path
 from shmstage.protocol import PROTOCOL_VERSION, Connection, Frame, ProtocolError, Role
 
 __all__ = ["ControlClient", "ControlError"]
@@ -35,6 +35,10 @@ class ControlClient:
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(str(self.path))
+            check_daemon(self._sock, self.path)
+        except UntrustedDaemon as exc:
+            self._sock.close()
+            raise ControlError(str(exc)) from None
         except OSError as exc:
             self._sock.close()
             raise ControlError(connect_problem(self.path, exc)) from None

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import errno
 import os
+import pwd
+import socket
 import stat
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = [
+    "ENV_DAEMON_USER",
     "ENV_SOCKET",
     "SOCKET_NAME",
     "SYSTEM_SOCKET",
+    "UntrustedDaemon",
+    "check_daemon",
     "connect_problem",
     "default_socket_path",
     "file_kind",
+    "trusted_daemon_uids",
 ]
 
 ENV_SOCKET = "SHMSTAGE_SOCKET"
@@ -117,3 +124,67 @@ def file_kind(mode: int) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "device"
     return "special file"
+
+
+#: The packaged service's user; a client also trusts a daemon of its own uid and root's.
+SERVICE_USER = "shmstage"
+ENV_DAEMON_USER = "SHMSTAGE_DAEMON_USER"
+_PEERCRED = struct.Struct("3i")
+
+
+class UntrustedDaemon(ConnectionError):
+    """What answers at the socket is not a daemon this user should hand tensors to."""
+
+
+def trusted_daemon_uids(environ: Mapping[str, str] | None = None) -> frozenset[int]:
+    """root, the caller, and the service user (``$SHMSTAGE_DAEMON_USER``, else "shmstage")."""
+    env = os.environ if environ is None else environ
+    trusted = {0, os.getuid()}
+    name = env.get(ENV_DAEMON_USER) or SERVICE_USER
+    try:
+        trusted.add(int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid)
+    except KeyError:
+        pass
+    return frozenset(trusted)
+
+
+def check_daemon(sock: socket.socket, path: Path) -> None:
+    """Refuse a daemon (or a socket directory) that another local user controls.
+
+    Without this, whoever creates ``/tmp/shmstage-<uid>`` first could run a daemon of
+    their own there: the trainer would stage its tensors into segments that user owns and
+    reads, and be told "durable" for checkpoints never written. The peer's credentials
+    (SO_PEERCRED: the listening process, fixed when it listened) must be root's, the
+    caller's or the service user's, and so must the socket's directory, which nobody else
+    may write (unless sticky, like /tmp, where others cannot remove what is not theirs).
+    Raises UntrustedDaemon naming what is wrong and the fix.
+    """
+    trusted = trusted_daemon_uids()
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    fix = (
+        f"connect only to the system socket or one you started; if the service runs as "
+        f"another user, name it in ${ENV_DAEMON_USER}"
+    )
+    if uid not in trusted:
+        raise UntrustedDaemon(
+            f"the process serving {path} runs as uid {uid}, which is neither root, this user "
+            f"nor the shmstaged service user: refusing to stage tensors there — {fix}"
+        )
+    try:
+        st = os.lstat(path.parent)
+    except OSError as exc:
+        raise UntrustedDaemon(f"cannot check {path.parent}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in trusted:
+        what = f"owned by uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise UntrustedDaemon(
+            f"the socket's directory {path.parent} is {what}: another user could swap the "
+            f"socket — {fix}"
+        )
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and not st.st_mode & stat.S_ISVTX:
+        raise UntrustedDaemon(
+            f"the socket's directory {path.parent} is writable by other users, who could "
+            f"swap the socket — {fix}"
+        )

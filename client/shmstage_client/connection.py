@@ -22,7 +22,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shmstage.paths import connect_problem, default_socket_path
+from shmstage.paths import (
+    UntrustedDaemon,
+    check_daemon,
+    connect_problem,
+    default_socket_path,
+)
 from shmstage.protocol import (
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
@@ -141,6 +146,10 @@ class DaemonConnection:
         sock.settimeout(timeout)
         try:
             sock.connect(str(self.path))
+            check_daemon(sock, self.path)  # before a single byte goes out
+        except UntrustedDaemon as exc:
+            sock.close()
+            raise DaemonUnavailable(str(exc)) from None
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(connect_problem(self.path, exc)) from None
