@@ -35,7 +35,7 @@ from shmstage.layout import Layout
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import ErrorCode
 from shmstage.segment import SegmentRef
-from shmstage_daemon import faults, scheduler
+from shmstage_daemon import credentials, faults, scheduler
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.chunkwriter import write_all
 from shmstage_daemon.gather import Gatherer
@@ -172,7 +172,18 @@ def run(job: PersistJob) -> JobResult:
     marker is already ours only needs the directory synced.
     """
     try:
-        return _run(job)
+        try:
+            # Names in the user's directory are made and removed with the user's own
+            # filesystem rights (see ``credentials``); segments are read with the daemon's.
+            with credentials.acting_as(job.peer):
+                return _run(job)
+        except credentials.CredentialError as exc:
+            return JobResult(
+                job.id,
+                False,
+                code=str(ErrorCode.INTERNAL),
+                message=f"cannot act with the saving user's filesystem rights: {exc}",
+            )
     finally:
         job.destination.close()
 
@@ -200,7 +211,8 @@ def _run(job: PersistJob) -> JobResult:
             _remove_temps(dest)
             _publish_directory(job, step)
             return _published(job, size, started)
-        total, checksums = _write_data(job, step)
+        with credentials.as_daemon():  # the staged segments are the daemon's own
+            total, checksums = _write_data(job, step)
         step.now = f"publishing {dest.data_file}"
         check_stop(job)
         _check_writable(job)

@@ -59,7 +59,7 @@ from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import pack_map
 from shmstage.segment import SegmentRef
-from shmstage_daemon import job
+from shmstage_daemon import credentials, job
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.store import SlotWire
 
@@ -496,17 +496,20 @@ def recover(entry: Entry, stop: threading.Event | None = None) -> job.JobResult:
     """
     try:
         layout = Layout.from_wire(entry.tensors, max_tensors=1 << 30)
-        destination = reopen(entry)
+        with credentials.acting_as(entry.peer()):  # its files, with its rights
+            destination = reopen(entry)
+            committed = job.is_committed(destination)
     except (JournalError, LayoutError, OSError) as exc:
         return _failed(entry, exc)
     refs: list[SegmentRef] = []
-    if not job.is_committed(destination):
+    if not committed:
         try:
             refs = _check_segments(entry)
             if len(refs) != len(layout.tensors):
                 raise JournalError("the entry's segments do not match its layout")
         except (JournalError, OSError) as exc:
-            job.discard(destination)
+            with credentials.acting_as(entry.peer()):
+                job.discard(destination)
             return _failed(entry, exc)
     persist = job.PersistJob(
         id=entry.job,

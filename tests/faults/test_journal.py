@@ -104,11 +104,13 @@ def test_paths_are_reopened_only_to_the_same_directory(tmp_path: Path, instance_
 
 
 def test_a_directory_its_user_can_no_longer_write_is_not_written(
-    tmp_path: Path, instance_id
+    world: Path, instance_id
 ) -> None:
+    """Recovery acts with the user's own filesystem rights: a directory made read-only for
+    it (here by its owner) gets nothing, even from a daemon running as root."""
     require_root("another uid")
     nobody = Peer(1, NOBODY, NOBODY, frozenset({NOBODY}))
-    tmp_path.chmod(0o755)
+    tmp_path = world
     persist = staged_job(tmp_path / "c", instance_id, peer=nobody)
     os.chown(tmp_path / "c", NOBODY, NOBODY)
     entry = entry_of(persist, instance_id, nobody)
