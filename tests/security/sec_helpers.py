@@ -1,0 +1,168 @@
+"""The security suite's shared node: real users, a victim and an attacker, both allowed to
+use the daemon (fixtures in conftest.py).
+
+The tests run as root (as the suite does here) and create three real accounts once per run:
+``shmsecvictim`` and ``shmsecattacker`` (members of the group ``shmsectrain``, which the
+daemon admits) and ``shmsecdaemon``, a system user to run the daemon as in the permission
+tests. Where accounts cannot be created (not root, no useradd), every test here is skipped
+with that reason.
+
+Code runs as one of them the way ``tests/faults`` does it: the interpreter (under /root)
+imports everything as root, then drops to the user's uid, gid and groups for good, so
+SO_PEERCRED and every permission check see only that user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+GROUP = "shmsectrain"
+VICTIM, ATTACKER, DAEMON_USER = "shmsecvictim", "shmsecattacker", "shmsecdaemon"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def ensure_accounts() -> dict[str, User]:
+    if os.geteuid() != 0:
+        pytest.skip("the security suite creates real users: it needs root")
+    if shutil.which("useradd") is None or shutil.which("groupadd") is None:
+        pytest.skip("the security suite needs useradd and groupadd to create real users")
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", GROUP], check=True, capture_output=True, timeout=60)
+    made = {}
+    for name, extra in ((VICTIM, ["-G", GROUP]), (ATTACKER, ["-G", GROUP]), (DAEMON_USER, [])):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                 *extra, name],
+                check=True, capture_output=True, timeout=60,
+            )  # fmt: skip
+        entry = pwd.getpwnam(name)
+        groups = tuple(sorted({entry.pw_gid, *os.getgrouplist(name, entry.pw_gid)}))
+        made[name] = User(name, entry.pw_uid, entry.pw_gid, groups)
+    return made
+
+
+PRELUDE = """
+import os, sys, json, socket, struct, time, signal, shutil, threading, fcntl, mmap
+import torch, msgpack
+from shmstage_client import *
+from shmstage import protocol, segment
+from shmstage.control import ControlClient
+from shmstage.protocol import Connection, Role
+import shmstage_daemon.main  # everything is imported while still root (see above)
+os.environ.pop("XDG_RUNTIME_DIR", None)
+os.setgroups({groups}); os.setgid({gid}); os.setuid({uid})
+os.umask(0o022)
+def say(*words):
+    print(*words, flush=True)
+"""
+
+
+def run_as(user: User, code: str, *, timeout: float = 120, env: dict | None = None) -> str:
+    """Run ``code`` as ``user``; its stdout. Fails the test if it fails."""
+    done = subprocess.run(
+        [sys.executable, "-c", _program(user, code)],
+        capture_output=True, text=True, timeout=timeout, env=_env(env),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+class Actor:
+    """A long-running process of ``user``; its printed lines, read as they come."""
+
+    def __init__(self, user: User, code: str, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _program(user, code)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, prefix: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if line.startswith(prefix):
+                    return line
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.02)
+        stderr = self.proc.stderr.read() if self.proc.poll() is not None else ""
+        raise AssertionError(f"no {prefix!r} from {self.lines[-5:]}; stderr {stderr[-2000:]}")
+
+    def finish(self, timeout: float = 60) -> str:
+        _out, err = self.proc.communicate(timeout=timeout)
+        self._reader.join(5)
+        assert self.proc.returncode == 0, err[-3000:]
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 9)
+        self.proc.wait(10)
+
+
+def _program(user: User, code: str) -> str:
+    prelude = PRELUDE.format(groups=list(user.groups), gid=user.gid, uid=user.uid)
+    return prelude + textwrap.dedent(code)
+
+
+def _env(extra: dict | None) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def status_latency(sock: Path, user: User, seconds: float) -> Actor:
+    """A process of ``user`` asking for ``status`` back to back for ``seconds``, printing the
+    slowest answer: how long the event loop was unavailable to a victim."""
+    return Actor(
+        user,
+        f"""
+        worst = 0.0
+        end = time.monotonic() + {seconds}
+        with ControlClient("{sock}", timeout=30) as control:
+            while time.monotonic() < end:
+                t = time.monotonic(); control.status(); worst = max(worst, time.monotonic() - t)
+                time.sleep(0.05)
+        say("WORST", worst)
+        """,
+    )
+
+
+def raw_socket(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    return sock
