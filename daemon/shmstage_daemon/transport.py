@@ -37,21 +37,27 @@ class Transport:
         self.max_fds = max_fds
         self._send_lock = asyncio.Lock()
         self.closed = False
+        self._fd = sock.fileno()
+        #: Readiness waits in progress: woken (and unregistered) by ``close``.
+        self._waiting: set[asyncio.Future[None]] = set()
 
     async def _ready(self, *, write: bool) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        fd = self.sock.fileno()
+        fd = self._fd
 
         def wake() -> None:
             if not future.done():
                 future.set_result(None)
 
         (loop.add_writer if write else loop.add_reader)(fd, wake)
+        self._waiting.add(future)
         try:
             await future
         finally:
-            (loop.remove_writer if write else loop.remove_reader)(fd)
+            self._waiting.discard(future)
+            if not self.closed:  # close() already unregistered it (the number may be reused)
+                (loop.remove_writer if write else loop.remove_reader)(fd)
 
     async def recv(self) -> tuple[bytes, list[int]]:
         """The next chunk of bytes and the descriptors that came with it (b"" at EOF)."""
@@ -123,8 +129,22 @@ class Transport:
             return 0
 
     def close(self) -> None:
+        """Close, possibly from another task than the one waiting to read or write.
+
+        The descriptor's readiness callbacks are removed *before* the socket is closed and
+        its number freed: otherwise a wait still registered under that number would later
+        remove the callbacks of whichever new connection the kernel gave the same number
+        (that connection would then never be read). Waiters wake and see ``closed``.
+        """
         if not self.closed:
             self.closed = True
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing registered
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self._fd)
+                loop.remove_writer(self._fd)
+            for future in self._waiting:
+                if not future.done():
+                    future.set_result(None)
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()

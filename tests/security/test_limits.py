@@ -1,0 +1,289 @@
+"""Per-user limits, hostile values, privacy of status, reloads and recovery: one user cannot
+take what another needs, learn what another does, or make the daemon misbehave for them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import start_daemon, wait_for
+from sec_helpers import GROUP, Actor, User, run_as
+
+from shmstage import checkpoint
+
+REGISTER = """
+        def session(path):
+            s = socket.socket(socket.AF_UNIX); s.settimeout(30); s.connect(path)
+            conn = Connection(Role.CLIENT)
+            s.sendall(conn.send("hello", 1, {"version": 1, "client": "x", "pid": 1}))
+            return s, conn
+        def frame(s, conn):
+            while (f := conn.next_frame()) is None:
+                data, fds, _, _ = socket.recv_fds(s, 1 << 20, 253)
+                conn.receive_data(data, fds)
+            for fd in f.fds:
+                os.close(fd)
+            return f
+"""
+
+
+def save_as(user: User, sock: Path, path: Path, numel: int = 1 << 16) -> str:
+    return run_as(
+        user,
+        f"""
+        with Stager("{sock}") as stager:
+            stager.save({{"w": torch.full(({numel},), 7.0)}}, "{path}").wait(60)
+        say("SAVED")
+        """,
+    )
+
+
+def test_one_user_cannot_take_the_budget_with_many_connections(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    """max_bytes holds for the user across 12 connections, charged in whole pages."""
+    daemon = shared_daemon("--max-bytes", "16MiB")
+    out = run_as(
+        attacker,
+        f"""
+        held, refused = [], 0
+        for i in range(12):
+            stager = Stager("{daemon.socket}", slots=1)
+            try:
+                stager.save({{"w": torch.ones(1 << 20)}}, "{arena}/{attacker.name}/c" + str(i))
+                held.append(stager)
+            except StagingLimitExceeded as exc:
+                refused += 1
+                last = str(exc)
+        say("HELD", len(held), "REFUSED", refused)
+        say("WHY", last)
+        # 1-byte tensors are charged a page each: 5,000 of them are ~20 MiB, not 5 KB.
+        tiny = {{f"t{{i}}": torch.ones(1, dtype=torch.uint8) for i in range(5000)}}
+        try:
+            Stager("{daemon.socket}", slots=1).save(tiny, "{arena}/{attacker.name}/tiny")
+            say("TINY ACCEPTED")
+        except StagingLimitExceeded:
+            say("TINY REFUSED")
+        """,
+    )
+    assert "HELD 4 REFUSED 8" in out, out  # 4 MiB each, in 16 MiB
+    assert "for all its connections together" in out and "TINY REFUSED" in out
+    assert "SAVED" in save_as(victim, daemon.socket, arena / victim.name / "c", 1 << 20)
+
+
+def test_prepared_commits_cannot_fill_the_journal(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    """Commits sent ahead of a copy that never comes: at most max_prepared per user, each
+    charged to its journal bytes, each dropped after its deadline; the victim commits."""
+    daemon = shared_daemon("--max-prepared", "2")
+    out = run_as(
+        attacker,
+        REGISTER
+        + f"""
+        from shmstage_client.destination import open_target
+        stager = Stager("{daemon.socket}", slots=4)
+        stager.save({{"w": torch.ones(4)}}, "{arena}/{attacker.name}/first").wait(60)
+        mapped = stager._layout
+        answers = []
+        for i in range(4):  # prepared, and never "ready"
+            slot = stager._connection.call(
+                "acquire", {{"layout": mapped.id, "wait": False, "timeout": None}}, timeout=30
+            ).body["slot"]
+            target = open_target("{arena}/{attacker.name}/p" + str(i), "model.safetensors")
+            body = {{"layout": mapped.id, "slot": slot, "data_file": "model.safetensors",
+                    "file_metadata": {{}}, "metadata": {{}}, "tree": {{"T": "w"}},
+                    "ready": False, **target.wire()}}
+            try:
+                reply = stager._connection.call("commit", body, target.fds(), timeout=30)
+                answers.append(reply.op)
+            except SaveError as exc:
+                answers.append(str(exc))
+        say("ANSWERS", json.dumps(answers))
+        """,
+    )
+    answers = json.loads(out.split("ANSWERS ", 1)[1])
+    assert answers[:2] == ["prepared", "prepared"], answers
+    assert all("max_prepared" in a for a in answers[2:]), answers
+    assert "SAVED" in save_as(victim, daemon.socket, arena / victim.name / "c")
+
+
+def test_hostile_values_are_refused_escaped_or_bounded(
+    shared_daemon, attacker: User, victim: User, arena: Path
+) -> None:
+    """A float tag that overflows, a client name that forges log lines, a stall of 1e308
+    seconds, a 30 MiB dtype echoed into the errors everybody's status carries."""
+    daemon = shared_daemon()
+    out = run_as(
+        attacker,
+        REGISTER
+        + f"""
+        evil = socket.socket(socket.AF_UNIX); evil.connect("{daemon.socket}")
+        greeting = Connection(Role.CLIENT)
+        evil.sendall(greeting.send("hello", 1, {{"version": 1, "pid": 1,
+                     "client": "evil\\n2026-01-01 INFO shmstaged: forged line"}}))
+        frame(evil, greeting)
+        """
+        + f"""
+        s, conn = session("{daemon.socket}")
+        frame(s, conn)
+        s.sendall(conn.send("register", 2, {{"tensors": [["w", "D" * (30 << 20), [1], None]]}}))
+        say("DTYPE", frame(s, conn).body["code"])
+        stager = Stager("{daemon.socket}", slots=1)
+        stager.save({{"w": torch.ones(4)}}, "{arena}/{attacker.name}/c").wait(60)
+        layout = stager._layout.id
+        r = stager._connection.call("acquire", {{"layout": layout, "wait": False,
+                                     "timeout": None}}, timeout=30)
+        try:
+            stager._connection.call("commit", {{"layout": layout, "slot": r.body["slot"],
+                "data_file": "model.safetensors", "data_tmp": "x", "manifest_tmp": "y",
+                "tree": {{"f": "0x1p99999"}}, "metadata": {{}}, "file_metadata": {{}},
+                "stage_seconds": 1e308}}, [], timeout=30)
+        except SaveError as exc:
+            say("COMMIT", exc.code)
+        """,
+    )
+    assert "DTYPE bad_request" in out and "COMMIT bad_request" in out, out
+    log = daemon.log()
+    assert "evil\\n2026-01-01 INFO shmstaged: forged line" in log, log[-2000:]
+    assert "\n2026-01-01 INFO shmstaged: forged line" not in log
+    assert "internal" not in log
+    status = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", "status", "--json", "--socket", str(daemon.socket)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0 and len(status.stdout) < 64 << 10
+    metrics = subprocess.run(
+        [sys.executable, "-m", "shmstage.cli", "metrics", "--socket", str(daemon.socket)],
+        capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    sums = [line for line in metrics.splitlines() if "_sum" in line and not line.startswith("#")]
+    assert sums and all(math.isfinite(float(line.split()[-1])) for line in sums), sums
+
+
+def test_status_shows_a_user_only_its_own(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    daemon = shared_daemon()
+    holder = Actor(
+        victim,
+        f"""
+        with Stager("{daemon.socket}") as stager:
+            stager.save({{"w": torch.ones(4)}}, "{arena}/{victim.name}/secret-run").wait(60)
+            say("CONNECTED"); time.sleep(30)
+        """,
+    )
+    try:
+        holder.wait_line("CONNECTED")
+        seen = json.loads(
+            run_as(attacker, f'say(json.dumps(ControlClient("{daemon.socket}").status()))')
+        )
+        assert seen["restricted_to_uid"] == attacker.uid
+        assert all(c["uid"] == attacker.uid for c in seen["clients"])
+        assert "secret-run" not in json.dumps(seen)
+        everything = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "shmstage.cli", "status", "--json", "--socket",
+                 str(daemon.socket)],
+                capture_output=True, text=True, timeout=60,
+            ).stdout
+        )  # fmt: skip
+        assert any(c["uid"] == victim.uid for c in everything["clients"])  # root sees all
+    finally:
+        holder.kill()
+
+
+def test_a_reload_that_removes_a_user_ends_its_sessions(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    daemon = shared_daemon()
+    config = daemon.socket.parent / "shmstaged.toml"
+    lingering = Actor(
+        attacker,
+        REGISTER
+        + f"""
+        s, conn = session("{daemon.socket}")
+        frame(s, conn)
+        say("CONNECTED")
+        try:
+            f = frame(s, conn)
+            say("TOLD", f.body.get("code"), f.body.get("message"))
+        except Exception as exc:
+            say("TOLD", type(exc).__name__)
+        """,
+    )
+    lingering.wait_line("CONNECTED")
+    config.write_text(f'[server]\nallowed_users = ["{victim.name}"]\n')
+    daemon.proc.send_signal(signal.SIGHUP)
+    told = lingering.wait_line("TOLD", 30)
+    assert "not_allowed" in told and "no longer allowed" in told, told
+    try:
+        assert "SAVED" in save_as(victim, daemon.socket, arena / victim.name / "c")
+    except AssertionError:
+        raise AssertionError(daemon.log()[-4000:]) from None
+    config.write_text(f'[server]\nallowed_groups = ["{GROUP}"]\n')
+
+
+def test_a_fifo_planted_under_a_journaled_name_does_not_block_recovery(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    """Both users' checkpoints are acknowledged and held mid-stream when the daemon is
+    killed; the attacker swaps its own temporary data file for a FIFO. The restarted daemon
+    serves, finishes the victim's checkpoint bit-exact, and gives up only the attacker's."""
+    daemon = shared_daemon(env={"SHMSTAGE_FAULT": "pause-mid-stream:60"})
+    savers = [
+        Actor(
+            user,
+            f"""
+            with Stager("{daemon.socket}") as stager:
+                stager.save({{"w": torch.full((1 << 16,), 5.0), "b": torch.ones(3)}},
+                            "{arena}/{user.name}/c")
+                say("COMMITTED"); time.sleep(60)
+            """,
+        )
+        for user in (victim, attacker)
+    ]
+    for saver in savers:
+        saver.wait_line("COMMITTED")
+    wait_for(lambda: daemon.log().count("fault: pausing at mid-stream") == 2, 30, "both held")
+    daemon.kill()
+    for saver in savers:
+        saver.kill()
+    run_as(
+        attacker,
+        f"""
+        root = "{arena}/{attacker.name}"
+        for pending in os.listdir(root):  # the job's, and the spare made after the save
+            for name in os.listdir(f"{{root}}/{{pending}}"):
+                if name.startswith(".model.safetensors."):
+                    os.unlink(f"{{root}}/{{pending}}/{{name}}")
+                    os.mkfifo(f"{{root}}/{{pending}}/{{name}}")
+        say("PLANTED")
+        """,
+    )
+    where = daemon.socket.parent
+    successor = start_daemon(
+        where, "--config", str(where / "shmstaged.toml"), log_name="successor.log"
+    )
+    successor.socket.chmod(0o666)
+    try:
+        try:
+            wait_for(lambda: checkpoint.is_complete(arena / victim.name / "c"), 60, "the victim's")
+        except TimeoutError:
+            raise AssertionError(successor.log()[-3000:]) from None
+        assert checkpoint.verify(arena / victim.name / "c") == []
+        try:
+            wait_for(lambda: "could not finish" in successor.log(), 60, "the attacker's")
+        except TimeoutError:
+            raise AssertionError(successor.log()[-3000:]) from None
+        assert "is gone" in successor.log()  # the FIFO is not the file the attacker made
+        assert "SAVED" in save_as(victim, successor.socket, arena / victim.name / "after")
+    finally:
+        successor.proc.kill()
+        successor.proc.wait(10)
+    assert os.path.exists(arena)
