@@ -44,7 +44,8 @@ class SaveTimings:
     Known later, for a non-blocking save (``save(..., block=False)``): ``deferred_copy_seconds``,
     from the start of its deferred copy until the copy landed, and ``staged_seconds``, from
     entering ``save()`` until the daemon owned the data (copy landed, ``ready`` answered).
-    For a blocking save the first is 0 and the second is when ``save()`` returned.
+    For a blocking save the first is 0 and the second is when ``save()`` returned; for a
+    non-blocking one both are 0 until the copy has landed.
 
     For a two-phase save (``Stager.stage`` then ``Staged.commit``), ``stall_seconds`` is the
     time both calls blocked their callers, added up; when ``commit()`` runs on another

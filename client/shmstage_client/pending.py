@@ -38,6 +38,9 @@ class PendingCopy(ABC):
     thread); a wait that runs out raises SaveTimeout, and a copy that failed raises its error.
     """
 
+    #: How many bytes it copies.
+    nbytes: int = 0
+
     @abstractmethod
     def landed(self) -> bool:
         """Whether every byte is in the slot (never blocks)."""
@@ -64,6 +67,7 @@ class StreamCopy(PendingCopy):
         self, device: torch.device, event: torch.cuda.Event, sources: Sequence[torch.Tensor]
     ) -> None:
         self.device = device
+        self.nbytes = _nbytes(sources)
         self._event = event
         self._sources: Sequence[torch.Tensor] | None = sources
 
@@ -98,8 +102,9 @@ class StreamCopy(PendingCopy):
 class ThreadCopy(PendingCopy):
     """CPU copies running on a copy thread (``concurrent.futures`` future of the copy)."""
 
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+    def __init__(self, future: concurrent.futures.Future[None], nbytes: int) -> None:
         self._future = future
+        self.nbytes = nbytes
 
     def landed(self) -> bool:
         return self._future.done()
@@ -121,6 +126,7 @@ class CopyGroup(PendingCopy):
 
     def __init__(self, parts: Sequence[PendingCopy]) -> None:
         self.parts = list(parts)
+        self.nbytes = sum(part.nbytes for part in self.parts)
 
     def landed(self) -> bool:
         return all(part.landed() for part in self.parts)
@@ -134,3 +140,7 @@ class CopyGroup(PendingCopy):
         # Device waits first: they cost the host nothing, and a CPU part is usually done.
         for part in sorted(self.parts, key=lambda p: isinstance(p, ThreadCopy)):
             part.wait_device(timeout)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -66,8 +66,9 @@ class Stager:
     segments for CUDA when a layout is registered — "auto" does so when the state dict
     holds CUDA tensors. ``slots=None`` takes the daemon's ``default_slots``.
     ``progress``: called with a SaveEvent when a save is staged, durable or failed; the
-    last two come from the connection's reader thread, so keep it quick and do not call
-    the Stager from it. Not thread-safe: one Stager per training process.
+    last two come from the connection's reader thread (and "staged", for a non-blocking
+    save, from the handover thread), so keep it quick and do not call the Stager from it.
+    Not thread-safe: one Stager per training process.
 
     If shmstaged restarts, saves in flight fail with DaemonLost naming the checkpoint, and
     the next ``save()`` reconnects and registers its layout again by itself.
@@ -137,7 +138,7 @@ class Stager:
             except SaveError as exc:
                 log.warning("save %s did not complete: %s", handle.path, exc)
         self._handover.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._copier.close()
+        self._copier.close(wait=landed)
         self._spares.close()
         self._background.shutdown(wait=True)  # reports still queued go out first
         if self._layout is not None and self._connection.alive:
@@ -336,9 +337,9 @@ class Stager:
         path = destination.target.path
         assert path is not None
         handle = SaveHandle(self._tracker, staged._connection, None, path)
+        # What save() cost, before the handover can add to it; staged: not yet.
+        handle.timings = dataclasses.replace(clock.timings(), staged_seconds=0.0)
         self._tracker.track(handle)
-        if destination.target.pending:
-            self._spares.prepare(path.parent)
 
         def hand_over(landing: Landing, error: BaseException | None) -> None:
             try:
@@ -356,8 +357,9 @@ class Stager:
             self._background.submit(_report, handle, timings)
             handle._staged(timings)
 
-        handle.timings = clock.timings()  # before the handover can read them
         handle._landing = self._start_landing(pending, str(path), hand_over)
+        if destination.target.pending:
+            self._spares.prepare(path.parent)
         return handle
 
     def _start_landing(self, pending: PendingCopy, what: str, follow_up: FollowUp) -> Landing:

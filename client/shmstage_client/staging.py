@@ -282,7 +282,8 @@ class CopyEngine:
         indices: Sequence[int],
     ) -> ThreadCopy:
         dsts, srcs = _pick(destinations, sources, indices)
-        return ThreadCopy(self.copy_thread().submit(_copy_on_host, dsts, srcs))
+        nbytes = sum(t.numel() * t.element_size() for t in srcs)
+        return ThreadCopy(self.copy_thread().submit(_copy_on_host, dsts, srcs), nbytes)
 
     def copy_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread deferred CPU copies run on, in order (started on first use)."""
@@ -292,10 +293,11 @@ class CopyEngine:
             )
         return self._thread
 
-    def close(self) -> None:
-        """Stop the copy thread once the copies queued on it are done."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the copy thread once the copies queued on it are done (``wait``), or let
+        it finish them on its own."""
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=wait)
             self._thread = None
 
 

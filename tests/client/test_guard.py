@@ -9,35 +9,17 @@ test. A step that returns only once the gate was open proves the guard held it b
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CopyGate
 from harness import assert_same, start_daemon
 from shmstage_client import DaemonLost, Stager, load
 from shmstage_client.guard import Coverage
 
 from shmstage import segment
-
-
-class CopyGate:
-    """Keeps the Stager's copy thread busy until ``open()``: deferred copies queue behind."""
-
-    def __init__(self, stager: Stager) -> None:
-        self._open = threading.Event()
-        self.opened = threading.Event()  # set before the copy thread is let go
-        self._job = stager._copier.copy_thread().submit(self._open.wait, 60)
-
-    def open(self) -> None:
-        self.opened.set()
-        self._open.set()
-
-    def open_in(self, seconds: float) -> threading.Timer:
-        timer = threading.Timer(seconds, self.open)
-        timer.start()
-        return timer
 
 
 class Net(torch.nn.Module):

@@ -98,11 +98,13 @@ class _RankPlan:
 @dataclass(frozen=True)
 class StageStats:
     """What this rank's last staging cost (``ShmStageWriter.last_stage``): ``timings`` of
-    the ``stage()`` call, whose ``stall_seconds`` is what the training thread paid."""
+    the ``stage()`` call, whose ``stall_seconds`` is what the training thread paid;
+    ``deferred_bytes``, what a guarded writer copied after ``stage()`` returned."""
 
     layout_id: int
     bytes: int
     timings: SaveTimings
+    deferred_bytes: int = 0
 
     @property
     def stall_seconds(self) -> float:
@@ -386,7 +388,10 @@ class ShmStageWriter(StorageWriter, AsyncStager):
 
     def _record_stage(self, staged: Staged | None) -> None:
         if staged is not None:
-            self.last_stage = StageStats(staged.layout_id, staged.nbytes, staged.timings)
+            deferred = staged.landing.copy.nbytes if staged.landing is not None else 0
+            self.last_stage = StageStats(
+                staged.layout_id, staged.nbytes, staged.timings, deferred
+            )
 
     # -- StorageWriter ------------------------------------------------------------------
 
