@@ -9,6 +9,8 @@ test. A step that returns only once the gate was open proves the guard held it b
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -378,3 +380,48 @@ def test_coverage_is_by_memory_the_optimizer_steps() -> None:
     assert not coverage.covers(other)
     assert coverage.mask([other, model.norm.running_var]) is None
     assert coverage.mask([other, weight]) == [False, True]
+
+
+TRAINER_DIES_BEFORE_THE_COPY = """
+import sys, threading, time, torch
+from shmstage_client import Stager
+socket, root = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(256, 256)
+optimizer = torch.optim.AdamW(model.parameters())
+stager = Stager(socket)
+stager.guard(optimizer)
+stager.save(model.state_dict(), root + "/base").wait(60)
+stager._copier.copy_thread().submit(threading.Event().wait, 600)  # the copy never runs
+stager.save(model.state_dict(), root + "/victim", block=False)
+print("SAVED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_that_dies_before_its_copy_landed_leaves_no_checkpoint(daemon, ckpt) -> None:
+    """save(block=False) returned, the copy never landed, the trainer is SIGKILLed: its
+    commit was only prepared, so the daemon drops it with the session — nothing published,
+    its segments freed — and serves on."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_DIES_BEFORE_THE_COPY, str(daemon.socket), str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline()
+        assert line.startswith("SAVED"), trainer.communicate(timeout=10)[1]
+        assert daemon.segments()
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    deadline = time.monotonic() + 10
+    while daemon.segments() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.segments() == []
+    assert not (ckpt / "victim").exists()
+    assert [p.name for p in ckpt.iterdir() if not p.name.startswith(".")] == ["base"]
+    with Stager(daemon.socket) as stager:
+        stager.save({"w": torch.ones(3)}, ckpt / "after").wait(60)
+    assert torch.equal(load(ckpt / "after")["w"], torch.ones(3))

@@ -354,7 +354,8 @@ def _mode_rows(tables: dict[str, Table], mode: str, guard: bool, v: dict[str, An
     if guard:
         target = 0.010 + 0.001 * v["tensors"] / 100
         notes.append(
-            f"{mode}: save() returned in {_fmt(summary.get('wall_stall_s'), 1e3)} ms (median; "
+            f"{mode}: save() returned in {_fmt(summary.get('wall_stall_s'), 1e3)} ms, "
+            f"{_fmt(summary.get('stall_net_s'), 1e3)} ms without backpressure (medians; "
             f"issue 14's bound for {v['tensors']} tensors: {target * 1e3:.1f} ms); its copy "
             f"landed {_fmt(summary.get('deferred_copy_seconds'), 1e3)} ms after it started "
             f"(÷ raw copy {_fmt(ratio(summary.get('deferred_copy_seconds'), copy_s))}), the "
