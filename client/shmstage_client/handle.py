@@ -39,7 +39,8 @@ class SaveTimings:
     memory on the caller's thread (for a non-blocking save: the eager copies, and queueing
     the deferred one). ``commit_seconds``: sending the commit and waiting for the daemon's
     answers. ``copy_wait_seconds``: waiting for the previous non-blocking save's copy to
-    land before this save could start (it shares the layout).
+    land before this save could start (it shares the layout); in ``Staged.commit()``, for
+    the copy of its own non-blocking ``stage()``.
 
     Known later, for a non-blocking save (``save(..., block=False)``): ``deferred_copy_seconds``,
     from the start of its deferred copy until the copy landed, and ``staged_seconds``, from
@@ -164,8 +165,9 @@ class SaveResult:
 class SaveEvent:
     """What ``Stager(progress=...)`` is told: a save was staged, became durable, or failed.
 
-    ``phase`` is "staged" (``save()`` is returning; training may go on), "durable" (with
-    ``result``) or "failed" (with ``error``). ``timings``: the trainer's side of the save.
+    ``phase`` is "staged" (the daemon owns the data: ``save()`` is returning, or a
+    non-blocking save's copy was handed over), "durable" (with ``result``) or "failed"
+    (with ``error``). ``timings``: the trainer's side of the save.
     """
 
     path: Path
