@@ -342,7 +342,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         else:
             def landed(_: object) -> None:
                 self._record_stage(ticket.staged)  # now with the deferred copy's figures
-                staging.set_result(staged_dict)  # a failed copy fails in planning instead
+                staging.set_result(staged_dict)  # a failed copy fails write_data, on every rank
 
             landing.done.add_done_callback(landed)
         return staging
