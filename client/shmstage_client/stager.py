@@ -303,10 +303,12 @@ class Stager:
         copy (``early``) if there is one."""
         try:
             sources = [tensor for _, tensor in prepared.items]
+            slot, groups = staged.mapped.slots[staged.slot], staged.mapped.groups
             deferred = None if block else self._deferrable(sources)
-            return self._copier.start(
-                staged.mapped.slots[staged.slot], sources, staged.mapped.groups, deferred
-            )
+            if deferred is None:
+                self._copier.copy(slot, sources, groups)
+                return None
+            return self._copier.start(slot, sources, groups, deferred)
         except BaseException:
             staged.abandon(early)
             raise
