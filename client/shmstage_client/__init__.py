@@ -5,6 +5,8 @@ from shmstage_client import Stager, load
 with Stager() as stager:
     handle = stager.save(model_and_optimizer_state, "/ckpt/step-1000")  # copy only
     ...                                                                # keep training
+    # or: stager.guard(optimizer) once, then save(..., block=False): the copy runs behind
+    # the next forward and backward, and the optimizer's step waits for it
     handle.wait()                                                      # durable
 state = load("/ckpt/step-1000")
 """
@@ -23,6 +25,7 @@ from shmstage_client.errors import (
     StagingLimitExceeded,
     UnsupportedValue,
 )
+from shmstage_client.guard import Guard
 from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.loading import load
 from shmstage_client.staged import Staged
@@ -37,6 +40,7 @@ __all__ = [
     "DaemonRefused",
     "DaemonUnavailable",
     "DestinationError",
+    "Guard",
     "PersistError",
     "SaveError",
     "SaveEvent",

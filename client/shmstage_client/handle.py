@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from shmstage_client.errors import DaemonLost, PersistError, SaveError, SaveTime
 
 if TYPE_CHECKING:
     from shmstage_client.connection import DaemonConnection
+    from shmstage_client.handover import Landing
 
 log = logging.getLogger("shmstage.client")
 
@@ -35,7 +36,17 @@ class SaveTimings:
     structure, registering and mapping) the staging layout, and preparing the destination
     directory and files. ``slot_wait_seconds``: waiting for a free slot (earlier
     checkpoints still being written). ``copy_seconds``: copying the tensors into shared
-    memory. ``commit_seconds``: sending the commit and waiting for the daemon's answers.
+    memory on the caller's thread (for a non-blocking save: the eager copies, and queueing
+    the deferred one). ``commit_seconds``: sending the commit and waiting for the daemon's
+    answers. ``copy_wait_seconds``: waiting for the previous non-blocking save's copy to
+    land before this save could start (it shares the layout); in ``Staged.commit()``, for
+    the copy of its own non-blocking ``stage()``.
+
+    Known later, for a non-blocking save (``save(..., block=False)``): ``deferred_copy_seconds``,
+    from the start of its deferred copy until the copy landed, and ``staged_seconds``, from
+    entering ``save()`` until the daemon owned the data (copy landed, ``ready`` answered).
+    For a blocking save the first is 0 and the second is when ``save()`` returned; for a
+    non-blocking one both are 0 until the copy has landed.
 
     For a two-phase save (``Stager.stage`` then ``Staged.commit``), ``stall_seconds`` is the
     time both calls blocked their callers, added up; when ``commit()`` runs on another
@@ -49,6 +60,9 @@ class SaveTimings:
     slot_wait_seconds: float = 0.0
     copy_seconds: float = 0.0
     commit_seconds: float = 0.0
+    copy_wait_seconds: float = 0.0
+    deferred_copy_seconds: float = 0.0
+    staged_seconds: float = 0.0
 
     @property
     def stage_seconds(self) -> float:
@@ -56,7 +70,7 @@ class SaveTimings:
         return self.copy_seconds
 
     def wire(self) -> dict[str, float]:
-        """The ``report`` message's fields."""
+        """The ``report`` message's fields (the protocol knows the stall and these parts)."""
         return {
             "stall_seconds": self.stall_seconds,
             "prepare_seconds": self.prepare_seconds,
@@ -68,7 +82,7 @@ class SaveTimings:
 
     def __add__(self, other: SaveTimings) -> SaveTimings:
         return SaveTimings(
-            *(a + b for a, b in zip(self.wire().values(), other.wire().values(), strict=True))
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         )
 
 
@@ -90,7 +104,8 @@ class Clock:
         self._since = now
 
     def timings(self) -> SaveTimings:
-        return SaveTimings(stall_seconds=time.perf_counter() - self.started, **self._parts)
+        stall = time.perf_counter() - self.started
+        return SaveTimings(stall_seconds=stall, staged_seconds=stall, **self._parts)
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,18 @@ class SaveResult:
         return self.timings.commit_seconds
 
     @property
+    def copy_wait_seconds(self) -> float:
+        return self.timings.copy_wait_seconds
+
+    @property
+    def deferred_copy_seconds(self) -> float:
+        return self.timings.deferred_copy_seconds
+
+    @property
+    def staged_seconds(self) -> float:
+        return self.timings.staged_seconds
+
+    @property
     def stage_seconds(self) -> float:
         """Deprecated alias of ``copy_seconds``."""
         return self.timings.copy_seconds
@@ -138,8 +165,9 @@ class SaveResult:
 class SaveEvent:
     """What ``Stager(progress=...)`` is told: a save was staged, became durable, or failed.
 
-    ``phase`` is "staged" (``save()`` is returning; training may go on), "durable" (with
-    ``result``) or "failed" (with ``error``). ``timings``: the trainer's side of the save.
+    ``phase`` is "staged" (the daemon owns the data: ``save()`` is returning, or a
+    non-blocking save's copy was handed over), "durable" (with ``result``) or "failed"
+    (with ``error``). ``timings``: the trainer's side of the save.
     """
 
     path: Path
@@ -168,27 +196,29 @@ ProgressCallback = Callable[[SaveEvent], None]
 class SaveHandle:
     """A committed save being written by the daemon.
 
-    ``timings`` (and ``stall_seconds``) are final when ``save()`` returns. The outcome is
-    settled once, when the daemon's answer (or the loss of the daemon) arrives: that is
-    when the save's log line is written and the progress callback runs, whether or not
-    anybody calls ``wait()``.
+    ``timings`` (and ``stall_seconds``) are known when ``save()`` returns; a non-blocking
+    save adds its deferred copy's figures once the copy has landed (``staged()``). The
+    outcome is settled once, when the daemon's answer (or the loss of the daemon) arrives:
+    that is when the save's log line is written and the progress callback runs, whether or
+    not anybody calls ``wait()``.
     """
 
     def __init__(
         self,
         tracker: Tracker,
         connection: DaemonConnection,
-        job: int,
+        job: int | None,
         path: Path,
-        future: concurrent.futures.Future[dict[str, Any]],
+        landing: Landing | None = None,
     ) -> None:
         self._tracker = tracker
         # Job ids are per connection: forget this one on the connection that knows it,
         # not on a newer one the Stager made after a daemon restart.
         self._connection = connection
+        #: The daemon's job id; for a non-blocking save, known once the copy was handed over.
         self.job = job
         self.path = path
-        self._future = future
+        self._landing = landing
         self.timings = SaveTimings()
         self._result: SaveResult | None = None
         self._error: SaveError | None = None
@@ -199,12 +229,38 @@ class SaveHandle:
         """How long ``save()`` held the caller's thread (see ``SaveTimings``)."""
         return self.timings.stall_seconds
 
-    def staged(self, timings: SaveTimings) -> None:
-        """``save()`` is returning: record what it cost, tell the progress callback, and
-        from now on settle the outcome when the daemon's answer comes."""
+    def staged(self, timeout: float | None = None) -> None:
+        """Wait until this save's copy has landed in shared memory and the daemon owns it.
+
+        After it returns — or raises the save's error: the copy has stopped either way —
+        nothing reads the saved tensors any more, and the caller may change them however it
+        likes. Needed only by a non-blocking save's caller that mutates saved tensors
+        outside the guarded optimizers' ``step()`` (for a blocking save it returns at
+        once). Raises SaveTimeout if ``timeout`` runs out first.
+        """
+        if self._landing is not None:
+            self._landing.wait(timeout)
+
+    def _staged(self, timings: SaveTimings) -> None:
+        """The daemon owns the data (``save()`` is returning, or a non-blocking save's copy
+        was handed over): record what it cost, tell the progress callback, and from now on
+        settle the outcome when the daemon's answer comes."""
+        assert self.job is not None
         self.timings = timings
         self._tracker.notify(SaveEvent(self.path, "staged", timings))
-        self._future.add_done_callback(self._settle)
+        self._connection.job_future(self.job).add_done_callback(self._settle)
+
+    def _failed_before_handover(self, error: BaseException) -> None:
+        """A non-blocking save ended before the daemon owned its data: nothing is written."""
+        if isinstance(error, DaemonLost):
+            error = DaemonLost(
+                f"checkpoint {self.path} was not written: {error}; shmstaged was lost before "
+                "the copy was handed over, so nothing of it is published (this Stager "
+                "reconnects on its next save)"
+            )
+        elif not isinstance(error, SaveError):
+            error = SaveError(f"checkpoint {self.path}: the deferred copy failed: {error!r}")
+        self._conclude(error)
 
     def done(self) -> bool:
         return self._settled.is_set()
@@ -236,23 +292,30 @@ class SaveHandle:
                 persist_seconds=float(result["persist_seconds"]),
                 files=tuple(result["files"]),
             )
+            self._conclude(None)
+            return
         except DaemonLost as exc:
-            self._error = DaemonLost(
+            error: SaveError = DaemonLost(
                 f"checkpoint {self.path} has no confirmed result: {exc}. It may be incomplete "
                 "(`shmstage verify` tells: a new directory appears only once complete, and a "
                 "restarted shmstaged finishes what it acknowledged); this Stager reconnects on "
                 "its next save"
             )
         except SaveError as exc:
-            self._error = exc
+            error = exc
         except Exception as exc:  # a malformed answer must still settle the handle
-            self._error = SaveError(f"checkpoint {self.path}: unexpected answer: {exc!r}")
+            error = SaveError(f"checkpoint {self.path}: unexpected answer: {exc!r}")
+        self._conclude(error)
+
+    def _conclude(self, error: SaveError | None) -> None:
+        """Log the outcome, tell the progress callback, release ``wait()``."""
+        self._error = error
         if self._result is not None:
             r = self._result
             t = r.timings
             log.info(
                 "shmstage save %s: %s durable; stall %.3f s (copy %.3f s, %.2f GB/s; slot "
-                "wait %.3f s; setup %.3f s; commit %.3f s; prepare %.3f s), persist %.3f s "
+                "wait %.3f s; setup %.3f s; commit %.3f s; prepare %.3f s)%s, persist %.3f s "
                 "(%.2f GB/s)",
                 self.path,
                 _size(r.bytes),
@@ -263,6 +326,7 @@ class SaveHandle:
                 t.setup_seconds,
                 t.commit_seconds,
                 t.prepare_seconds,
+                _deferred(t),
                 r.persist_seconds,
                 _gbps(r.bytes, r.persist_seconds),
             )
@@ -289,7 +353,8 @@ class Tracker:
     def forget(self, handle: SaveHandle) -> None:
         with self._lock:
             self._pending.discard(handle)
-        handle._connection.forget_job(handle.job)
+        if handle.job is not None:
+            handle._connection.forget_job(handle.job)
 
     def pending(self) -> list[SaveHandle]:
         with self._lock:
@@ -302,6 +367,16 @@ class Tracker:
             self._progress(event)
         except Exception:  # a broken callback must not fail the save or kill the reader
             log.exception("shmstage progress callback raised; ignored")
+
+
+def _deferred(t: SaveTimings) -> str:
+    """The log line's words for a non-blocking save's copy after ``save()`` returned."""
+    if not t.deferred_copy_seconds:
+        return ""
+    return (
+        f"; deferred copy {t.deferred_copy_seconds:.3f} s, staged {t.staged_seconds:.3f} s "
+        f"after the call (waited {t.copy_wait_seconds:.3f} s for the previous copy)"
+    )
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

@@ -24,6 +24,7 @@ from shmstage_client.handle import Clock, SaveHandle, SaveTimings
 from shmstage_client.prepared import check_fits
 
 if TYPE_CHECKING:
+    from shmstage_client.handover import Landing
     from shmstage_client.stager import Stager
     from shmstage_client.staging import MappedLayout
 
@@ -72,6 +73,9 @@ class Staged:
         self._encoded = encoded
         self._packed_tree = packed_tree
         self.timings = SaveTimings()
+        #: A non-blocking ``stage()``'s copy still on its way (``handover``); None once
+        #: ``stage()`` returned with every byte copied.
+        self.landing: Landing | None = None
         self._lock = threading.Lock()
         self._state = "staged"  # -> "committing" -> "committed" | "cancelled"
 
@@ -120,10 +124,15 @@ class Staged:
         ``data_file``: the data file's name (default: the Stager's ``data_file``).
         ``file_metadata``: strings for the safetensors header's ``__metadata__`` (default
         ``{"format": "pt"}``). ``metadata``: JSON values kept in the manifest. If the
-        destination or the commit is refused, the slot is handed back and this raises.
+        destination or the commit is refused, the slot is handed back and this raises. After
+        a non-blocking ``stage()`` it first waits for the copy to land (within the Stager's
+        ``request_timeout``; counted as ``copy_wait_seconds``).
         """
         clock = Clock()
         try:
+            if self.landing is not None:
+                self.landing.wait(self._stager.request_timeout)
+                clock.lap("copy_wait")
             fields = Fields.check(data_file or self._stager.data_file, file_metadata, metadata)
             check_fits(self._encoded, self._packed_tree, fields.packed_metadata)
             clock.lap("prepare")
@@ -143,6 +152,15 @@ class Staged:
             if self._state != "staged":
                 return
             self._state = "cancelled"
+        timeout = self._stager.request_timeout
+        if self.landing is not None and not self.landing.settled(timeout):
+            log.warning(
+                "slot %d is still being copied into after %s s; it stays this client's until "
+                "the copy ends and the Stager closes",
+                self.slot,
+                timeout,
+            )
+            return
         self._hand_back()
 
     def send_commit(self, destination: Destination, *, ready: bool) -> RequestHandle:
@@ -169,7 +187,15 @@ class Staged:
             raise
 
     def complete(self, destination: Destination, request: RequestHandle) -> SaveHandle:
+        """Hand the slot over (``hand_over``) and return the handle that follows the job."""
+        job = self.hand_over(destination, request)
+        path = destination.target.path
+        assert path is not None
+        return SaveHandle(self._stager._tracker, self._connection, job, path)
+
+    def hand_over(self, destination: Destination, request: RequestHandle) -> int:
         """Wait for the commit's answer; after a prepared one, report the copy complete.
+        Returns the daemon's job id: from now on the daemon owns the data.
 
         Whatever fails, what was created for the destination goes and the slot is handed
         back (the daemon drops a prepared commit with it), then this raises.
@@ -194,12 +220,7 @@ class Staged:
         finally:
             destination.target.close_fds()
         self._state = "committed"
-        job = reply.body["job"]
-        path = destination.target.path
-        assert path is not None
-        return SaveHandle(
-            self._stager._tracker, self._connection, job, path, self._connection.job_future(job)
-        )
+        return int(reply.body["job"])
 
     def abandon(self, early: RequestHandle | None) -> None:
         """The copy failed: hand the slot back, dropping a commit sent ahead of it."""

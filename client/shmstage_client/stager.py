@@ -13,12 +13,18 @@
 
 ``save()`` then returns a ``SaveHandle`` (``handle``) whose ``timings`` say what each step
 cost; in the background it tells the daemon the stall and prepares the next spare.
+
+``save(..., block=False)`` returns after step 5 has only *started* for the tensors that a
+guard covers (``guard``: the optimizers' parameters and state): their copy runs behind the
+caller's next forward and backward (``pending``), the guarded optimizer's ``step()`` waits
+for it, and the Stager's handover thread does step 6 once it has landed (``handover``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -37,8 +43,11 @@ from shmstage_client.destination import (
     check_data_file,
     open_target,
 )
-from shmstage_client.errors import DaemonLost, SaveError
+from shmstage_client.errors import DaemonLost, SaveError, SaveTimeout
+from shmstage_client.guard import Coverage, Guard
 from shmstage_client.handle import Clock, ProgressCallback, SaveHandle, SaveTimings, Tracker
+from shmstage_client.handover import FollowUp, Handover, Landing
+from shmstage_client.pending import PendingCopy
 from shmstage_client.prepared import Prepared, check_fits
 from shmstage_client.staged import Destination, Staged
 from shmstage_client.staging import CopyEngine, MappedLayout, device_groups
@@ -57,11 +66,15 @@ class Stager:
     segments for CUDA when a layout is registered — "auto" does so when the state dict
     holds CUDA tensors. ``slots=None`` takes the daemon's ``default_slots``.
     ``progress``: called with a SaveEvent when a save is staged, durable or failed; the
-    last two come from the connection's reader thread, so keep it quick and do not call
-    the Stager from it. Not thread-safe: one Stager per training process.
+    last two come from the connection's reader thread (and "staged", for a non-blocking
+    save, from the handover thread), so keep it quick and do not call the Stager from it.
+    Not thread-safe: one Stager per training process.
 
     If shmstaged restarts, saves in flight fail with DaemonLost naming the checkpoint, and
     the next ``save()`` reconnects and registers its layout again by itself.
+
+    ``guard(optimizer)`` lets ``save(..., block=False)`` copy that optimizer's parameters and
+    state behind the next forward and backward (see ``save``).
     """
 
     def __init__(
@@ -96,6 +109,12 @@ class Stager:
             1, thread_name_prefix="shmstage-background"
         )
         self._spares = Spares(self._background, data_file)
+        self._guards: list[Guard] = []
+        #: The last non-blocking save's copy until it has landed and been handed over; the
+        #: guards hold optimizer steps back on it, the next save waits for it.
+        self._in_flight: Landing | None = None
+        self._handover = Handover()
+        self._warned_unguarded = False
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -109,20 +128,27 @@ class Stager:
         """Wait (bounded) for saves still being written, then release everything: the
         layout, the spare pending directory, the connection."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        landed = self._in_flight is None or self._in_flight.settled(timeout)
+        for guard in list(self._guards):
+            guard._unhook()
         for handle in self._tracker.pending():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 handle.wait(remaining)
             except SaveError as exc:
                 log.warning("save %s did not complete: %s", handle.path, exc)
+        self._handover.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._copier.close(wait=landed)
         self._spares.close()
         self._background.shutdown(wait=True)  # reports still queued go out first
         if self._layout is not None and self._connection.alive:
             with contextlib.suppress(SaveError):
                 self._connection.call("release", {"layout": self._layout.id}, timeout=30)
-        if self._layout is not None:
+        if self._layout is not None and landed:
             self._layout.close()
-            self._layout = None
+        elif self._layout is not None:  # never unmap what a copy may still write into
+            log.warning("a save's copy had not landed at close(); its mapping is left in place")
+        self._layout = None
         self._connection.close()
 
     @property
@@ -131,6 +157,24 @@ class Stager:
 
     # -- saving ------------------------------------------------------------------
 
+    def guard(self, *optimizers: torch.optim.Optimizer) -> Guard:
+        """Let non-blocking saves copy these optimizers' parameters and state late.
+
+        Registers a step pre-hook on each optimizer: before it mutates anything, its step
+        waits for the copy of a ``save(..., block=False)`` still in flight — on a CUDA
+        device the step's stream waits for the copy's event, with no host wait. Which
+        tensors that covers, and which are still copied before ``save()`` returns, is in
+        ``shmstage_client.guard``. Call once per optimizer (several at once, or several
+        calls); ``Guard.remove()`` takes the hooks off, ``close()`` removes every guard.
+        """
+        guard = Guard(self, optimizers)
+        self._guards.append(guard)
+        return guard
+
+    def _forget_guard(self, guard: Guard) -> None:
+        with contextlib.suppress(ValueError):
+            self._guards.remove(guard)
+
     def save(
         self,
         state_dict: Any,
@@ -138,6 +182,7 @@ class Stager:
         *,
         metadata: Mapping[str, Any] | None = None,
         offsets: Mapping[str, Sequence[int]] | None = None,
+        block: bool = True,
     ) -> SaveHandle:
         """Stage ``state_dict`` and commit it to be written to the new directory ``path``.
 
@@ -149,6 +194,15 @@ class Stager:
         so a changed offset never reuses buffers. ``path`` is a new directory (it appears
         only once complete), or an existing directory without a checkpoint in it.
 
+        ``block=False``: return as soon as the copy of the tensors that a ``guard()`` covers
+        has started (on CUDA, queued on the side stream behind the caller's stream); every
+        other tensor is still copied before returning, and plain values are taken now. The
+        guarded optimizers' next ``step()`` waits for the copy; the Stager reports it to the
+        daemon when it lands, and ``SaveHandle.staged()`` waits for that. Until then the
+        caller must not change a covered tensor any other way. A refusal by the daemon
+        then surfaces on the handle, and a trainer that dies before the copy landed leaves
+        no checkpoint. The next save (or ``stage()``) first waits for this copy.
+
         The same as ``stage(...).commit(path, metadata=...)``, except that the destination
         is checked and opened before the copy, so a refused destination costs no copy, and
         the commit travels while the copy runs: the daemon checks and journals it
@@ -156,6 +210,7 @@ class Stager:
         """
         clock = Clock()
         with _collection_paused():
+            self._await_landing(clock)
             prepared = Prepared.of(state_dict, offsets)
             prepared.check(self._layout.signature if self._layout is not None else None)
             fields = Fields.check(self.data_file, None, metadata)
@@ -171,18 +226,24 @@ class Stager:
             early = staged.send_commit(destination, ready=False)
             clock.lap("commit")
             try:
-                self._copy(staged, prepared, early)
+                pending = self._copy(staged, prepared, early, block)
             except BaseException:
                 destination.abort()
                 raise
             clock.lap("copy")
+            if pending is not None:
+                return self._defer(staged, destination, early, pending, clock)
             handle = staged.complete(destination, early)
             clock.lap("commit")
         self._staged(handle, clock.timings(), destination)
         return handle
 
     def stage(
-        self, state_dict: Any, *, offsets: Mapping[str, Sequence[int]] | None = None
+        self,
+        state_dict: Any,
+        *,
+        offsets: Mapping[str, Sequence[int]] | None = None,
+        block: bool = True,
     ) -> Staged:
         """Copy ``state_dict`` into a staging slot now; name its destination later.
 
@@ -190,17 +251,41 @@ class Stager:
         stalls training — PyTorch DCP stages first and plans each rank's file afterwards.
         Returns once every tensor is copied, as ``save()`` does; the slot then stays this
         client's until ``Staged.commit()`` or ``Staged.cancel()``. ``offsets`` as in
-        ``save()``; ``Staged.timings`` says what this call cost.
+        ``save()``; ``Staged.timings`` says what this call cost. ``block=False`` as in
+        ``save()``: ``Staged.landing`` follows the copy, and ``commit()`` waits for it.
         """
         clock = Clock()
         with _collection_paused():
+            self._await_landing(clock)
             prepared = Prepared.of(state_dict, offsets)
             clock.lap("prepare")
             staged = self._claim(prepared, clock)
-            self._copy(staged, prepared, None)
+            pending = self._copy(staged, prepared, None, block)
             clock.lap("copy")
         staged.timings = clock.timings()
+        if pending is not None:
+
+            def note_timings(landing: Landing, error: BaseException | None) -> None:
+                staged.timings = _landed(staged.timings, landing, clock)
+                if error is not None:
+                    raise error
+
+            staged.landing = self._start_landing(pending, "a staged save", note_timings)
         return staged
+
+    def _await_landing(self, clock: Clock) -> None:
+        """Wait for the previous non-blocking save's copy and handover: it shares the
+        layout, which this save may replace, and the connection's order of slots."""
+        landing = self._in_flight
+        if landing is None:
+            return
+        if not landing.settled(self.request_timeout):
+            raise SaveTimeout(
+                f"the previous save's copy ({landing.what}) did not land within "
+                f"{self.request_timeout} s; this save was not started"
+            )
+        self._in_flight = None
+        clock.lap("copy_wait")
 
     def _claim(self, prepared: Prepared, clock: Clock) -> Staged:
         """Reuse or register the layout and take a slot: the stall before the copy."""
@@ -210,15 +295,82 @@ class Stager:
         clock.lap("slot_wait")
         return Staged(self, mapped, slot, prepared.encoded, prepared.packed_tree)
 
-    def _copy(self, staged: Staged, prepared: Prepared, early: RequestHandle | None) -> None:
-        """Copy into the staged slot; on failure hand it back, with the commit sent ahead of
-        the copy (``early``) if there is one."""
+    def _copy(
+        self, staged: Staged, prepared: Prepared, early: RequestHandle | None, block: bool
+    ) -> PendingCopy | None:
+        """Copy into the staged slot — the guarded tensors of a non-blocking save only
+        started (returned) — and on failure hand it back, with the commit sent ahead of the
+        copy (``early``) if there is one."""
         try:
             sources = [tensor for _, tensor in prepared.items]
-            self._copier.copy(staged.mapped.slots[staged.slot], sources, staged.mapped.groups)
+            slot, groups = staged.mapped.slots[staged.slot], staged.mapped.groups
+            deferred = None if block else self._deferrable(sources)
+            if deferred is None:
+                self._copier.copy(slot, sources, groups)
+                return None
+            return self._copier.start(slot, sources, groups, deferred)
         except BaseException:
             staged.abandon(early)
             raise
+
+    def _deferrable(self, sources: list[torch.Tensor]) -> list[bool] | None:
+        """Which tensors a guard covers (None: none, so nothing is deferred)."""
+        if not self._guards:
+            if not self._warned_unguarded:
+                self._warned_unguarded = True
+                log.warning(
+                    "save(block=False) without a guard copies every tensor before returning: "
+                    "call stager.guard(optimizer) so that the optimizer's parameters and "
+                    "state are copied behind the next forward and backward"
+                )
+            return None
+        coverage = Coverage(t for guard in self._guards for t in guard.tensors())
+        return coverage.mask(sources)
+
+    def _defer(
+        self,
+        staged: Staged,
+        destination: Destination,
+        early: RequestHandle,
+        pending: PendingCopy,
+        clock: Clock,
+    ) -> SaveHandle:
+        """A non-blocking save returns: its handle, and the handover to come."""
+        path = destination.target.path
+        assert path is not None
+        handle = SaveHandle(self._tracker, staged._connection, None, path)
+        # What save() cost, before the handover can add to it; staged: not yet.
+        handle.timings = dataclasses.replace(clock.timings(), staged_seconds=0.0)
+        self._tracker.track(handle)
+
+        def hand_over(landing: Landing, error: BaseException | None) -> None:
+            try:
+                if error is not None:
+                    staged.abandon(early)
+                    destination.abort()
+                    raise error
+                handle.job = staged.hand_over(destination, early)
+            except BaseException as exc:
+                handle._failed_before_handover(exc)
+                if handle._error is exc:
+                    raise
+                raise handle._error from exc  # what wait() raises, staged() raises too
+            timings = _landed(handle.timings, landing, clock)
+            self._background.submit(_report, handle, timings)
+            handle._staged(timings)
+
+        handle._landing = self._start_landing(pending, str(path), hand_over)
+        if destination.target.pending:
+            self._spares.prepare(path.parent)
+        return handle
+
+    def _start_landing(self, pending: PendingCopy, what: str, follow_up: FollowUp) -> Landing:
+        """Follow a deferred copy until it lands, then run ``follow_up`` on the handover
+        thread; until then it is the copy in flight that guards and the next save wait for."""
+        landing = Landing(pending, what)
+        self._in_flight = landing
+        self._handover.submit(landing, follow_up)
+        return landing
 
     def _staged(
         self, handle: SaveHandle, timings: SaveTimings, destination: Destination | None = None
@@ -231,7 +383,7 @@ class Stager:
         if target is not None and target.pending:
             assert target.path is not None
             self._spares.prepare(target.path.parent)
-        handle.staged(timings)
+        handle._staged(timings)
 
     def _reconnect_if_lost(self) -> None:
         """After a daemon restart: a new connection, and no layout (the next save registers).
@@ -325,6 +477,15 @@ class Stager:
             timeout=None if self.slot_timeout is None else self.slot_timeout + 30,
         )
         return reply.body["slot"]
+
+
+def _landed(timings: SaveTimings, landing: Landing, clock: Clock) -> SaveTimings:
+    """``timings`` with a deferred copy's figures, once it has landed."""
+    return dataclasses.replace(
+        timings,
+        deferred_copy_seconds=landing.copy_seconds,
+        staged_seconds=time.perf_counter() - clock.started,
+    )
 
 
 def _report(handle: SaveHandle, timings: SaveTimings) -> None:

@@ -8,10 +8,15 @@ CPU tensors are copied with ``Tensor.copy_`` (a memcpy for contiguous sources; s
 sources are gathered). CUDA tensors are copied on a side stream that first waits on the
 caller's current stream, then one event wait — never a device-wide synchronize, so work
 queued on other streams cannot delay the save.
+
+A non-blocking save defers the copy of the tensors a guard covers (``CopyEngine.start``):
+CUDA ones stay queued on the side stream, CPU ones go to a copy thread, and the caller gets
+a ``PendingCopy`` to wait on (``pending``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import itertools
 import logging
@@ -26,6 +31,7 @@ import torch
 from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
+from shmstage_client.pending import CopyGroup, PendingCopy, StreamCopy, ThreadCopy
 from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, try_pin
 
 log = logging.getLogger("shmstage.client")
@@ -181,10 +187,12 @@ def device_groups(devices: Sequence[torch.device]) -> dict[torch.device, list[in
 
 
 class CopyEngine:
-    """Copies sources into slot views, keeping one side stream per CUDA device."""
+    """Copies sources into slot views, keeping one side stream per CUDA device and, for CPU
+    copies that a non-blocking save defers, one copy thread."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def copy(
         self,
@@ -198,32 +206,118 @@ class CopyEngine:
         loop of ``copy_`` costs more than the bytes do. ``groups`` (``device_groups`` of
         the sources, which the Stager keeps per layout) saves looking at every device again.
         """
+        self.start(destinations, sources, groups, None)
+
+    def start(
+        self,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        groups: Mapping[torch.device, Sequence[int]] | None,
+        deferred: Sequence[bool] | None,
+    ) -> PendingCopy | None:
+        """Copy every source into its slot view: those not ``deferred`` before returning, the
+        others in the background — CUDA ones on the side stream, CPU ones on the copy thread.
+
+        Returns the deferred copy (None when nothing is deferred). Every copy is ordered
+        after the work already queued on the caller's stream, so it reads the tensors as
+        they are at this call. Eager CUDA copies go first on the side stream, so that the
+        host waits for them alone.
+        """
         if len(destinations) != len(sources):
             raise ValueError(f"{len(sources)} sources for {len(destinations)} slot views")
         if groups is None:
             groups = device_groups([src.device for src in sources])
-        events = []
-        with torch.no_grad():  # the views must not join the caller's autograd graph
-            for device, indices in groups.items():
-                if len(indices) == len(sources):
-                    dsts, srcs = list(destinations), list(sources)
-                else:
-                    dsts = [destinations[i] for i in indices]
-                    srcs = [sources[i] for i in indices]
-                if device.type == "cuda":
-                    events.append(self._copy_from_cuda(device, dsts, srcs))
-                else:
-                    torch._foreach_copy_(dsts, srcs)
-        for event in events:
-            event.synchronize()  # one event per device, never torch.cuda.synchronize()
+        eager: list[torch.cuda.Event] = []
+        parts: list[PendingCopy] = []
+        try:
+            with torch.no_grad():  # the views must not join the caller's autograd graph
+                for device, indices in groups.items():
+                    now, later = _split(indices, deferred)
+                    if device.type == "cuda":
+                        self._from_cuda(device, destinations, sources, now, later, eager, parts)
+                        continue
+                    if later:
+                        parts.append(self._on_copy_thread(destinations, sources, later))
+                    if now:
+                        torch._foreach_copy_(*_pick(destinations, sources, now))
+            for event in eager:
+                event.synchronize()  # one event per device, never torch.cuda.synchronize()
+        except BaseException:
+            for part in parts:  # nothing may still write into the slot once it is handed back
+                part.wait_host(None)
+            raise
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else CopyGroup(parts)
 
-    def _copy_from_cuda(
-        self, device: torch.device, dsts: list[torch.Tensor], srcs: list[torch.Tensor]
-    ) -> torch.cuda.Event:
+    def _from_cuda(
+        self,
+        device: torch.device,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        now: Sequence[int],
+        later: Sequence[int],
+        eager: list[torch.cuda.Event],
+        parts: list[PendingCopy],
+    ) -> None:
         side = self._streams.get(device)
         if side is None:
             side = self._streams[device] = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # caller's pending writes first
         with torch.cuda.stream(side):
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        return side.record_event()
+            if now:
+                torch._foreach_copy_(*_pick(destinations, sources, now), non_blocking=True)
+                eager.append(side.record_event())
+            if later:
+                dsts, srcs = _pick(destinations, sources, later)
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                event = torch.cuda.Event(blocking=True)  # its host wait sleeps, not spins
+                side.record_event(event)
+                parts.append(StreamCopy(device, event, srcs))
+
+    def _on_copy_thread(
+        self,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[int],
+    ) -> ThreadCopy:
+        dsts, srcs = _pick(destinations, sources, indices)
+        nbytes = sum(t.numel() * t.element_size() for t in srcs)
+        return ThreadCopy(self.copy_thread().submit(_copy_on_host, dsts, srcs), nbytes)
+
+    def copy_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread deferred CPU copies run on, in order (started on first use)."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="shmstage-copy"
+            )
+        return self._thread
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the copy thread once the copies queued on it are done (``wait``), or let
+        it finish them on its own."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=wait)
+            self._thread = None
+
+
+def _split(
+    indices: Sequence[int], deferred: Sequence[bool] | None
+) -> tuple[Sequence[int], list[int]]:
+    """``indices`` cut into those copied now and those deferred."""
+    if deferred is None:
+        return indices, []
+    return [i for i in indices if not deferred[i]], [i for i in indices if deferred[i]]
+
+
+def _pick(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], indices: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    if len(indices) == len(sources):  # the common case: one device, nothing deferred
+        return list(destinations), list(sources)
+    return [destinations[i] for i in indices], [sources[i] for i in indices]
+
+
+def _copy_on_host(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        torch._foreach_copy_(dsts, srcs)

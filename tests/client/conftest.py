@@ -1,4 +1,5 @@
-"""Client-test fixtures: a slow network filesystem, simulated in the client only."""
+"""Client-test fixtures: a slow network filesystem, simulated in the client only; a gate
+that holds a Stager's copy thread."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from shmstage_client import destination
+from shmstage_client import Stager, destination
 
 
 class SlowFilesystem:
@@ -45,6 +46,29 @@ class SlowFilesystem:
     def on(self, thread: str) -> list[str]:
         """The slow calls made on the thread named ``thread``."""
         return [what for what, name in self.calls if name == thread]
+
+
+class CopyGate:
+    """Keeps a Stager's copy thread busy until ``open()``: deferred CPU copies queue behind.
+
+    Not a mock: a real job on the real thread, so a test knows for certain that a
+    non-blocking save's copy has not run yet, and that whatever returned only once the
+    gate was open (``opened``) waited for it.
+    """
+
+    def __init__(self, stager: Stager) -> None:
+        self._open = threading.Event()
+        self.opened = threading.Event()  # set before the copy thread is let go
+        self._job = stager._copier.copy_thread().submit(self._open.wait, 60)
+
+    def open(self) -> None:
+        self.opened.set()
+        self._open.set()
+
+    def open_in(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.open)
+        timer.start()
+        return timer
 
 
 @pytest.fixture

@@ -39,7 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -305,7 +308,43 @@ def scenario_daemon_dies(r: Rank) -> None:
     r.finish()
 
 
+def scenario_guarded(r: Rank) -> None:
+    """async_save through a writer that guards the optimizer: the copy of the FSDP2 shards
+    (DTensors, covered through their local tensors: ``deferred``, the share of the bytes
+    copied late, is all but the buffer and the step counters) runs after async_save returned, the
+    step right after it is held until the copy landed, and each checkpoint is the state at
+    its call — the buffer ``scale``, changed outside the optimizer, included."""
+    ckpt = r.work / "ckpt-guarded"
+    trainer = r.trainer()
+    writer = ShmStageWriter(socket=r.socket, guard=trainer.optimizer)
+    deferred = []
+    for step in (1, 2):
+        trainer.step()
+        r.expect(f"guarded-step-{step}", trainer)
+        response = dcp.async_save(
+            trainer.state(),
+            checkpoint_id=ckpt / f"step-{step}",
+            storage_writer=writer,
+            process_group=r.checkpoint_group,
+        )
+        assert isinstance(response, AsyncSaveResponse), type(response)
+        trainer.step()  # at once: its optimizer step waits for the copy
+        response.staging_completion.result(timeout=TIMEOUT)
+        response.upload_completion.result(timeout=TIMEOUT)
+        stats = writer.last_stage
+        assert stats is not None and stats.timings.deferred_copy_seconds > 0
+        deferred.append(stats.deferred_bytes / stats.bytes)
+    writer.close()
+    for step in (1, 2):
+        fresh = r.trainer()
+        fresh.load(ShmStageReader(ckpt / f"step-{step}"))
+        r.check_full(f"guarded-step-{step}", fresh)
+    r.result["deferred"] = deferred
+    r.finish()
+
+
 SCENARIOS = {
+    "guarded": scenario_guarded,
     "world_size_4": scenario_world_size_4,
     "world_size_2": scenario_world_size_2,
     "daemon_dies": scenario_daemon_dies,

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import CopyGate
 from harness import RunningDaemon, start_daemon
 from safetensors import safe_open
 from shmstage_client.dcp import (
@@ -34,6 +35,7 @@ from shmstage_client.dcp import (
 )
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shmstage import datafile, segment
 
@@ -252,6 +254,68 @@ def test_a_daemon_killed_mid_save_fails_every_rank_and_publishes_nothing(tmp_pat
     target = _zeros(full)
     dcp.load(target, storage_reader=ShmStageReader(ckpt / "good"), no_dist=True)
     _assert_equal(flat(target)["model.a.weight"], full["model"]["a.weight"])
+
+
+def test_async_save_with_a_guard_copies_fsdp2_shards_behind_the_next_step(nodes) -> None:
+    """World size 2, FSDP2, a writer with ``guard=`` (dcp_ranks.scenario_guarded): every
+    checkpoint equals the state at its call, and its shards — parameters and AdamW state,
+    all but a buffer and the step counters — were copied after async_save returned."""
+    work, daemons = nodes
+    results = run_ranks("guarded", 2, work, daemons)
+    for result in results:
+        assert len(result["deferred"]) == 2, result
+        assert all(share > 0.9 for share in result["deferred"]), result
+
+
+def test_a_guarded_writer_returns_a_staging_future_done_when_the_copy_lands(
+    daemon, ckpt
+) -> None:
+    """``ShmStageWriter(guard=optimizer)``: async_save returns DCP's AsyncSaveResponse while
+    the copy is still held (see CopyGate); the optimizer step right after it waits for the
+    copy; the checkpoint is the state at the call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(seed: int) -> None:
+        torch.manual_seed(seed)
+        model(torch.randn(8, 32)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"step": 1}}
+    want = _clone(state)
+    writer = ShmStageWriter(socket=daemon.socket, guard=optimizer)
+    try:
+        gate = CopyGate(writer._get_stager())
+        response = dcp.async_save(
+            state, checkpoint_id=ckpt / "c", storage_writer=writer, no_dist=True
+        )
+        assert isinstance(response, AsyncSaveResponse)
+        assert not response.staging_completion.done()  # the copy is held
+        gate.open_in(0.05)
+        step(1)
+        assert gate.opened.is_set(), "the optimizer stepped before the copy landed"
+        response.staging_completion.result(timeout=30)
+        response.upload_completion.result(timeout=60)
+        assert writer.last_stage is not None
+        assert writer.last_stage.timings.deferred_copy_seconds > 0
+    finally:
+        writer.close()
+    target = _zeros(state)
+    dcp.load(target, storage_reader=ShmStageReader(ckpt / "c"), no_dist=True)
+    _assert_equal(target, want)
+
+
+def _clone(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone(v) for v in state]
+    return state
 
 
 def test_single_process_dcp_save_into_an_existing_checkpoint_is_refused(daemon, ckpt) -> None:

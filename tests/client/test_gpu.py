@@ -1,4 +1,5 @@
-"""The GPU fast path: pinned segments, side-stream copies, one event wait, nothing device-wide.
+"""The GPU fast path: pinned segments, side-stream copies, one event wait, nothing device-wide;
+and non-blocking saves whose copy a guard lets run behind the next step.
 
 These run only where CUDA is present (the GPU machine); everywhere else they are skipped.
 """
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from shmstage_client import Stager, load
+from harness import assert_same
+from shmstage_client import SaveTimeout, Stager, load
 from shmstage_client.pinning import try_pin
 
 pytestmark = [
@@ -137,3 +139,104 @@ def test_a_large_layout_pinned_in_pieces_saves_every_tensor_exactly(daemon, ckpt
             assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
             for tensor in state.values():
                 tensor.add_(1.0)
+
+
+# -- non-blocking saves behind a guard (issue 14) ---------------------------------------
+
+
+def _cuda_trainer(fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """64 MiB of fp32 weights and their AdamW state on the GPU, after one step. Fused AdamW
+    keeps its step counters on the GPU; the foreach one keeps them on the CPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+    _cuda_step(model, optimizer, 0)
+    return model, optimizer
+
+
+def _cuda_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(64, 4096, device="cuda")).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _on_cpu(state: object) -> object:
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu().clone()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_cpu(v) for v in state)
+    return state
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused (steps on GPU)", "foreach"])
+def test_a_guarded_save_returns_before_its_copy_and_the_step_waits_on_the_device(
+    daemon, ckpt: Path, fused: bool
+) -> None:
+    """save(block=False) returns while the caller's stream is still busy (its copy queued
+    behind it), the optimizer step right after it returns on the host at once (its stream
+    waits for the copy's event), and the checkpoint is the state at the call."""
+    model, optimizer = _cuda_trainer(fused)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.guard(optimizer)
+        stager.save(state, ckpt / "warm").wait(60)  # registers and pins
+        torch.cuda.current_stream().synchronize()
+        want = _on_cpu(state)
+        torch.cuda._sleep(int(3e9))  # ~2 s on the caller's stream: the copy waits behind it
+        started = time.perf_counter()
+        handle = stager.save(state, ckpt / "late", block=False)
+        stall = time.perf_counter() - started
+        with pytest.raises(SaveTimeout):
+            handle.staged(timeout=0)  # still queued
+        started = time.perf_counter()
+        _cuda_step(model, optimizer, 1)
+        host_step = time.perf_counter() - started
+        still_busy = not torch.cuda.current_stream().query()
+        result = handle.wait(120)
+    assert still_busy, "the stream drained first: the test proves nothing"
+    assert stall < 0.5, f"save() waited {stall:.2f} s for the caller's stream"
+    assert host_step < 0.5, f"the guarded step held the host {host_step:.2f} s"
+    assert result.timings.deferred_copy_seconds > 0
+    assert_same(load(ckpt / "late"), want)
+
+
+def test_an_unguarded_cuda_tensor_is_copied_before_a_non_blocking_save_returns(
+    daemon, ckpt: Path
+) -> None:
+    model, optimizer = _cuda_trainer(True)
+    buffer = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "buffer": buffer}
+    with Stager(daemon.socket) as stager:
+        stager.guard(optimizer)
+        torch.cuda.current_stream().synchronize()
+        want = _on_cpu(state)
+        handle = stager.save(state, ckpt / "c", block=False)
+        buffer.mul_(-1.0)  # outside the optimizer: must already be copied
+        _cuda_step(model, optimizer, 1)
+        result = handle.wait(120)
+    assert result.timings.deferred_copy_seconds > 0
+    assert_same(load(ckpt / "c"), want)
+
+
+def test_guarded_saves_every_step_of_a_cuda_loop_are_each_the_state_at_the_call(
+    daemon, ckpt: Path
+) -> None:
+    """12 steps, a non-blocking save after each, the next step at once: every checkpoint
+    equals a snapshot taken at its call (slots=2, so saves also wait for earlier copies)."""
+    model, optimizer = _cuda_trainer(True)
+    wants, handles = [], []
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.guard(optimizer)
+        for step in range(12):
+            state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+            torch.cuda.current_stream().synchronize()
+            wants.append(_on_cpu(state))
+            handles.append(stager.save(state, ckpt / f"s{step}", block=False))
+            _cuda_step(model, optimizer, step + 1)
+        for handle in handles:
+            handle.wait(120)
+    for handle, want in zip(handles, wants, strict=True):
+        assert_same(load(handle.path), want)

@@ -34,6 +34,9 @@ PARTS = (
     "copy_seconds",
     "commit_seconds",
     "persist_seconds",
+    "copy_wait_seconds",
+    "deferred_copy_seconds",
+    "staged_seconds",
 )
 
 

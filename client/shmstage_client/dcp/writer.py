@@ -7,7 +7,10 @@ each rank's node daemon does the staging and the writing. A save, in DCP's order
     Flatten the state dict exactly as DCP's default planner does and copy every local shard
     into a slot of this node's daemon — the only part that stalls training. Return a stand-in
     state dict that replays the same write items but holds no tensor, so nothing the trainer
-    does afterwards can reach the checkpoint.
+    does afterwards can reach the checkpoint. With ``guard=`` optimizers, the copy of their
+    parameters and state only starts here (``Stager.save(..., block=False)``): ``stage``
+    returns a future of the stand-in, done when the copy has landed, and the checkpoint
+    thread waits for it before planning.
 ``set_up_storage_writer``, ``prepare_local_plan`` (checkpoint thread, every rank)
     Find this save's staged slot. A staging failure is raised here, inside DCP's collective
     error handling, so every rank fails together — raising in ``stage`` would leave the other
@@ -23,12 +26,13 @@ each rank's node daemon does the staging and the writing. A save, in DCP's order
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -94,11 +98,13 @@ class _RankPlan:
 @dataclass(frozen=True)
 class StageStats:
     """What this rank's last staging cost (``ShmStageWriter.last_stage``): ``timings`` of
-    the ``stage()`` call, whose ``stall_seconds`` is what the training thread paid."""
+    the ``stage()`` call, whose ``stall_seconds`` is what the training thread paid;
+    ``deferred_bytes``, what a guarded writer copied after ``stage()`` returned."""
 
     layout_id: int
     bytes: int
     timings: SaveTimings
+    deferred_bytes: int = 0
 
     @property
     def stall_seconds(self) -> float:
@@ -167,11 +173,15 @@ class _Ticket:
         self.error: BaseException | None = None
         self.state = "staged"  # -> "taken" | "superseded"
 
-    def fill(self, collected: _Collected, stager: Callable[[], Stager]) -> None:
+    def fill(
+        self, collected: _Collected, stager: Callable[[], Stager], *, block: bool = True
+    ) -> None:
         self.offsets, self.objects = collected.offsets, collected.objects
         self.chunks = {(fqn, tuple(off)) for fqn, off in collected.offsets.items()}
         if collected.tensors:
-            self.staged = stager().stage(collected.tensors, offsets=collected.offsets)
+            self.staged = stager().stage(
+                collected.tensors, offsets=collected.offsets, block=block
+            )
 
     def release(self) -> None:
         if self.staged is not None:
@@ -220,12 +230,20 @@ class ShmStageWriter(StorageWriter, AsyncStager):
     the system socket). ``slots``, ``pin``, ``slot_timeout``, ``request_timeout``: as for
     ``Stager``. ``timeout``: how long ``write_data`` waits for this rank's file to be durable.
 
+    ``guard``: an optimizer (or several) whose parameters and state ``async_save`` may copy
+    behind the next forward and backward (``Stager.guard``): their ``step()`` waits for the
+    copy. ``async_save`` then returns DCP's ``AsyncSaveResponse``: ``staging_completion``
+    is done when the copy has landed (no need to wait for it: the guard does),
+    ``upload_completion`` when the checkpoint is published — wait for that one before the
+    next save, where a plain ``async_save`` returns that future alone.
+
     Keep one writer for the whole run — its layout (and so its shared memory) is reused by
     every save with the same structure — and wait for each ``async_save`` future before the
     next one. Connects on first use, so it can be made before the daemon is reachable.
     """
 
-    _synchronize_after_execute = False  # stage() returns after the copy: nothing to wait for
+    # stage() returns after the copy, or a future of it (guard=): nothing to wait for.
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -237,8 +255,12 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         slot_timeout: float | None = None,
         request_timeout: float = 600.0,
         timeout: float = 3600.0,
+        guard: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(guard, torch.optim.Optimizer):
+            guard = [guard]
+        self._guarded = tuple(guard or ())
         self.path = None if path is None else Path(path)
         self.socket = socket
         self.timeout = timeout
@@ -265,6 +287,8 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         with self._lock:
             if self._stager is None:
                 self._stager = Stager(self.socket, **self._stager_options)
+                if self._guarded:
+                    self._stager.guard(*self._guarded)
             return self._stager
 
     def close(self) -> None:
@@ -279,11 +303,15 @@ class ShmStageWriter(StorageWriter, AsyncStager):
 
     # -- AsyncStager --------------------------------------------------------------------
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(
+        self, state_dict: dict[str, Any]
+    ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
         """Copy this rank's shards into the daemon's shared memory; the training stall.
 
-        Failures are not raised here but by this save's planning step on every rank (see the
-        module docstring); ``async_save``'s future reports them.
+        With ``guard=``, returns a future of the staged state dict, done once the copy has
+        landed (``async_save`` hands it to its checkpoint thread). Failures are not raised
+        here, nor through that future, but by this save's planning step on every rank (see
+        the module docstring); ``async_save``'s future reports them.
         """
         ticket = _Ticket()
         staged_dict: dict[str, Any] = {_TICKET_KEY: _TicketEntry(ticket)}
@@ -296,7 +324,8 @@ class ShmStageWriter(StorageWriter, AsyncStager):
             for item in plan.items:
                 replay = staged_dict.setdefault(item.index.fqn, _Replay([]))
                 replay.items.append(item)
-            ticket.fill(_Collected(plan.items, planner.resolve_data), self._get_stager)
+            collected = _Collected(plan.items, planner.resolve_data)
+            ticket.fill(collected, self._get_stager, block=not self._guarded)
             self._record_stage(ticket.staged)
         except Exception as exc:
             log.warning("shmstage: staging failed on rank %d: %s", self.rank, exc)
@@ -304,10 +333,28 @@ class ShmStageWriter(StorageWriter, AsyncStager):
             ticket.release()
         with self._lock:
             self._unclaimed.append(ticket)
-        return staged_dict
+        if not self._guarded:
+            return staged_dict
+        staging: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        landing = ticket.staged.landing if ticket.staged is not None else None
+        if landing is None:
+            staging.set_result(staged_dict)
+        else:
+            def landed(_: object) -> None:
+                self._record_stage(ticket.staged)  # now with the deferred copy's figures
+                staging.set_result(staged_dict)  # a failed copy fails write_data, on every rank
+
+            landing.done.add_done_callback(landed)
+        return staging
 
     def synchronize_staging(self) -> None:
-        """Nothing to do: ``stage`` returns only once the copy has landed."""
+        """Wait until the last ``stage`` has copied everything (bounded by the Stager's
+        ``request_timeout``); ``async_save`` never calls it for this writer."""
+        with self._lock:
+            tickets = list(self._unclaimed)
+        for ticket in tickets:
+            if ticket.staged is not None and ticket.staged.landing is not None:
+                ticket.staged.landing.settled(ticket.staged._stager.request_timeout)
 
     def _supersede_unclaimed(self) -> None:
         with self._lock:
@@ -341,7 +388,10 @@ class ShmStageWriter(StorageWriter, AsyncStager):
 
     def _record_stage(self, staged: Staged | None) -> None:
         if staged is not None:
-            self.last_stage = StageStats(staged.layout_id, staged.nbytes, staged.timings)
+            deferred = staged.landing.copy.nbytes if staged.landing is not None else 0
+            self.last_stage = StageStats(
+                staged.layout_id, staged.nbytes, staged.timings, deferred
+            )
 
     # -- StorageWriter ------------------------------------------------------------------
 
