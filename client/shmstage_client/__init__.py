@@ -6,7 +6,8 @@ with Stager() as stager:
     handle = stager.save(model_and_optimizer_state, "/ckpt/step-1000")  # copy only
     ...                                                                # keep training
     handle.wait()                                                      # durable
-state = load("/ckpt/step-1000")
+state = load("/ckpt/step-1000")         # from shmstaged's memory when it still holds it
+restored = latest(device="cuda")         # after a crash: the newest checkpoint, no path needed
 """
 
 from shmstage.checkpoint import CheckpointError, ChecksumError
@@ -25,6 +26,7 @@ from shmstage_client.errors import (
 )
 from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.loading import load
+from shmstage_client.restore import Restored, latest, restore
 from shmstage_client.staged import Staged
 from shmstage_client.stager import Stager
 
@@ -38,6 +40,7 @@ __all__ = [
     "DaemonUnavailable",
     "DestinationError",
     "PersistError",
+    "Restored",
     "SaveError",
     "SaveEvent",
     "SaveHandle",
@@ -49,5 +52,7 @@ __all__ = [
     "Stager",
     "StagingLimitExceeded",
     "UnsupportedValue",
+    "latest",
     "load",
+    "restore",
 ]
