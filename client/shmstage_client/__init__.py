@@ -26,7 +26,7 @@ from shmstage_client.errors import (
 )
 from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.loading import load
-from shmstage_client.restore import Restored, latest, restore
+from shmstage_client.restoring import Restored, latest, restore
 from shmstage_client.staged import Staged
 from shmstage_client.stager import Stager
 

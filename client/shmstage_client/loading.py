@@ -24,7 +24,7 @@ from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.reading import FileSource, Placement, transfer
 
 if TYPE_CHECKING:
-    from shmstage_client.restore import Restored
+    from shmstage_client.restoring import Restored
 
 _OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -47,7 +47,7 @@ def load(
     ``.seconds``, ``.path``, ...) instead of the bare state dict. ``socket``: the daemon's,
     when not the default.
     """
-    from shmstage_client.restore import restore
+    from shmstage_client.restoring import restore
 
     restored: Restored = restore(path, device, verify=verify, source=source, socket=socket)
     return restored if with_info else restored.state

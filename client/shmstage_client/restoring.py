@@ -77,7 +77,7 @@ class NotInMemory(Exception):
 
 
 #: What makes a restore from memory give way to the files.
-_FALLBACK = (SaveError, CheckpointError, OSError, ValueError, LayoutError)
+FALLBACK = (SaveError, CheckpointError, OSError, ValueError, LayoutError)
 
 
 def restore(
@@ -89,7 +89,7 @@ def restore(
     socket: str | os.PathLike[str] | None = None,
 ) -> Restored:
     """The checkpoint at ``path`` on ``device`` (see ``load``, which returns its state)."""
-    _check_source(source)
+    check_source(source)
     device = torch.device(device)
     started = time.perf_counter()
     connection: DaemonConnection | None = None
@@ -98,7 +98,7 @@ def restore(
         with CheckpointFiles(path) as files:
             if source != "files":
                 try:
-                    connection = _connect(socket)
+                    connection = connect(socket)
                     state, nbytes, job = _exact(connection, files, device, verify)
                     return _report(
                         connection,
@@ -108,7 +108,7 @@ def restore(
                             files.manifest.metadata, job,
                         ),
                     )
-                except _FALLBACK as exc:
+                except FALLBACK as exc:
                     reason = _why(exc)
                     if source == "memory":
                         raise CheckpointError(
@@ -149,7 +149,7 @@ def latest(
     model's ``state_dict()``. With several trainers of one user on a node, pass one of
     them, or ``load`` each trainer's own path.
     """
-    _check_source(source)
+    check_source(source)
     device = torch.device(device)
     started = time.perf_counter()
     connection: DaemonConnection | None = None
@@ -157,12 +157,12 @@ def latest(
     try:
         if source != "files":
             try:
-                connection = _connect(socket)
+                connection = connect(socket)
                 restored = _latest(connection, device, verify, like, under)
                 return _report(connection, started, restored)
             except NotInMemory as exc:
                 reason, hint = str(exc), exc.path
-            except _FALLBACK as exc:
+            except FALLBACK as exc:
                 reason = _why(exc)
             if source == "memory":
                 raise CheckpointError(f"cannot restore from shmstaged's memory: {reason}")
@@ -182,12 +182,12 @@ def latest(
             connection.close()
 
 
-def _check_source(source: str) -> None:
+def check_source(source: str) -> None:
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: use one of {', '.join(SOURCES)}")
 
 
-def _connect(socket: str | os.PathLike[str] | None) -> DaemonConnection:
+def connect(socket: str | os.PathLike[str] | None) -> DaemonConnection:
     return DaemonConnection(
         socket, connect_timeout=CONNECT_TIMEOUT, client_name=f"shmstage-restore pid {os.getpid()}"
     )
@@ -220,37 +220,50 @@ def _exact(
     names = list(files.manifest.files)
     if len(names) != 1:
         raise NotInMemory(f"{len(names)} data files; the daemon holds single-file checkpoints")
-    fd, _ = files.open_data(names[0])
+    lease = lease_exact(connection, files, names[0])
     try:
-        lease = MemoryLease.take(connection, "lease", {"digest": digest(files.document)}, [fd])
-    finally:
-        os.close(fd)
-    try:
-        specs = [
-            (r.key, torch_dtype(r.key, r.dtype), r.shape, r.crc32c) for r in files.records(names[0])
-        ]
-        tensors = _read(lease, specs, device, verify)
+        tensors = _read(lease, specs_of(files, names[0]), device, verify)
     finally:
         lease.close()
     return files.state(tensors), sum(lease.sizes), lease.body["job"]
 
 
-def _read(
-    lease: MemoryLease,
-    specs: list[tuple[str, torch.dtype, tuple[int, ...], int | None]],
-    device: torch.device,
-    verify: bool,
-) -> dict[str, torch.Tensor]:
-    """Copy a leased slot's tensors to ``device``, verified, and end the lease; raises
-    NotInMemory when the lease expired before the copy was done (it may be torn)."""
+def lease_exact(connection: DaemonConnection, files: CheckpointFiles, name: str) -> MemoryLease:
+    """Lease the checkpoint ``files`` opened, by its data file ``name`` (the descriptor
+    proves this process may read it) and its manifest's digest."""
+    fd, _ = files.open_data(name)
+    try:
+        return MemoryLease.take(connection, "lease", {"digest": digest(files.document)}, [fd])
+    finally:
+        os.close(fd)
+
+
+Spec = tuple[str, torch.dtype, tuple[int, ...], "int | None"]
+
+
+def specs_of(files: CheckpointFiles, name: str) -> list[Spec]:
+    """Key, dtype, shape and checksum of each tensor of a data file, in its order."""
+    return [(r.key, torch_dtype(r.key, r.dtype), r.shape, r.crc32c) for r in files.records(name)]
+
+
+def placements_of(lease: MemoryLease, specs: list[Spec]) -> list[Placement]:
+    """Where each tensor is in a leased slot's mapped range (one segment each, in order)."""
     if [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in specs] != lease.sizes:
         raise NotInMemory("the daemon's segments do not match the checkpoint's tensors")
-    placements = [
+    return [
         Placement(key, dtype, shape, offset, size, crc)
         for (key, dtype, shape, crc), offset, size in zip(
             specs, lease.offsets(), lease.sizes, strict=True
         )
     ]
+
+
+def _read(
+    lease: MemoryLease, specs: list[Spec], device: torch.device, verify: bool
+) -> dict[str, torch.Tensor]:
+    """Copy a leased slot's tensors to ``device``, verified, and end the lease; raises
+    NotInMemory when the lease expired before the copy was done (it may be torn)."""
+    placements = placements_of(lease, specs)
     where = f"shmstaged's memory (job {lease.body['job']}, {lease.body['directory']})"
     tensors = transfer(
         MappedSource(lease.address, lease.region.size, where), placements, device, verify=verify
@@ -298,7 +311,7 @@ def _latest(
     except NotInMemory as exc:
         exc.path = exc.path or _files_of(lease)
         raise
-    except _FALLBACK as exc:  # e.g. a checksum that failed in memory: the files may not
+    except FALLBACK as exc:  # e.g. a checksum that failed in memory: the files may not
         raise NotInMemory(_why(exc), _files_of(lease)) from None
     finally:
         lease.close()
@@ -322,7 +335,7 @@ def _files_of(lease: MemoryLease) -> Path | None:
 
 def _durable_structure(
     directory: Path, info: dict[str, Any]
-) -> tuple[Any, dict[str, Any], list[tuple[str, torch.dtype, tuple[int, ...], int | None]]]:
+) -> tuple[Any, dict[str, Any], list[Spec]]:
     """The structure and checksums from the checkpoint's own manifest on disk, which must
     be the one the daemon wrote (same digest)."""
     try:
@@ -335,11 +348,7 @@ def _durable_structure(
                 f"{directory} no longer holds the checkpoint in memory (its manifest changed)",
                 directory,
             )
-        specs = [
-            (r.key, torch_dtype(r.key, r.dtype), r.shape, r.crc32c)
-            for r in files.records(info["data_file"])
-        ]
-        return files.manifest.tree, files.manifest.metadata, specs
+        return files.manifest.tree, files.manifest.metadata, specs_of(files, info["data_file"])
 
 
 def _structure(like: Any) -> str:
