@@ -36,7 +36,6 @@ from .session import BenchSession
 from .synthetic import SyntheticSpec
 
 
-
 @dataclass(frozen=True)
 class RestoreJob:
     spec: SyntheticSpec
