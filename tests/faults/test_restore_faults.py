@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -83,7 +84,11 @@ def lease_exact(client: RawClient, path: Path) -> dict:
         assert frame.op == "lease_fds"
         for fd in frame.fds:
             mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
-            os.close(fd)
+            try:  # read-only, and no shared writable mapping can be made of it either
+                with pytest.raises(PermissionError):
+                    mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
             assert mode == os.O_RDONLY  # the daemon opened it read-only
         received += len(frame.fds)
     return leased.body
