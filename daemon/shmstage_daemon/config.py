@@ -263,14 +263,13 @@ def _seconds(value: Any) -> float:
 
 
 def _positive_seconds(value: Any) -> float:
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
-        return float(value)
-    raise _Invalid("expected a finite number of seconds > 0")
+    try:
+        seconds = _seconds(value)
+    except _Invalid:
+        seconds = 0.0
+    if seconds <= 0:
+        raise _Invalid("expected a finite number of seconds > 0")
+    return seconds
 
 
 def _optional_port(value: Any) -> int | None:
