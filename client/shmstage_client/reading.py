@@ -43,7 +43,7 @@ log = logging.getLogger("shmstage.client")
 #: Bytes per chunk from a mapping (one registration and one copy each), and per read from
 #: a file (the size of each pinned staging buffer).
 MAPPED_CHUNK: Final = 64 << 20
-FILE_CHUNK: Final = 32 << 20
+FILE_CHUNK: Final = 16 << 20
 MAX_THREADS: Final = 8
 
 

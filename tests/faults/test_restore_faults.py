@@ -15,6 +15,7 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from shmstage_client import (
 from shmstage_client.errors import SlotUnavailable
 
 from shmstage import manifest, segment
+from shmstage.cli import format_status
 from shmstage.control import ControlClient
 from shmstage.manifest import MANIFEST_NAME
 
@@ -114,6 +116,10 @@ def test_restore_from_memory_after_the_trainer_was_sigkilled_mid_training(
     read_marker(trainer, "COPYING")
     kill(trainer)
     retained(daemon)
+    with ControlClient(daemon.socket) as client:  # what `shmstage status` shows
+        table = format_status(client.status())
+    where = re.escape(str(tmp_path / "step-1"))
+    assert re.search(r"^  0 .* retained\s+(29m|30m)\d\ds\s+0\s+" + where + "$", table, re.M)
     by_path = restored(tmp_path / "step-1", daemon)
     assert (by_path.source, by_path.verified, by_path.durable) == ("memory", True, True)
     assert_same_state(by_path.state, make_state(8))
