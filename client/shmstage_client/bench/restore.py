@@ -89,7 +89,8 @@ def _restore_row(seconds: float, restored: Any, expected: Any, note: str) -> dic
     """A restore's row: its time (the bench's, synchronized), exactness, and where the
     restore says it came from (with why not from memory, when it fell back)."""
     mismatch = first_difference(restored.state, expected)
-    why = f"files because: {restored.reason}" if restored.source == "files" else ""
+    fell_back = restored.source == "files" and restored.reason != "source='files'"
+    why = f"files because: {restored.reason}" if fell_back else ""
     return {
         "status": "ok",
         "seconds": seconds,
@@ -185,7 +186,8 @@ def restart_restore(job: RestoreJob) -> dict[str, Any]:
         row["first_save_stall_s"] = time.perf_counter() - t0
         handle.wait(timeout=job.wait_timeout)
     after = _segments_created(job.socket)
-    row["segments_created"] = None if None in (created, after) else after - created  # type: ignore[operator]
+    if created is not None and after is not None:
+        row["segments_created"] = int(after - created)
     shutil.rmtree(job.root / "after-restart", ignore_errors=True)
     return row
 
