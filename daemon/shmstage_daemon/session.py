@@ -694,14 +694,21 @@ class Session:
             body["seconds"],
         )
         try:
-            await self.send("leased", frame.id, body)
+            try:
+                await self.send("leased", frame.id, body)
+            except ValueError as exc:  # the structure does not fit one frame: nothing sent
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the checkpoint's structure is too large to send ({exc}); restore it "
+                    "by path, load(path), which reads the structure from its manifest",
+                ) from None
             await self._send_segments(
                 frame.id, "lease_fds", {"lease": lease.id}, slot.segments, batch, writable=False
             )
         except segment.SegmentError as exc:
             self.daemon.retention.end(lease)
             raise RequestError(ErrorCode.NOT_RETAINED, str(exc)) from None
-        except BaseException:
+        except BaseException:  # a refusal above, or the client gone
             if lease.id in self.daemon.retention.leases:
                 self.daemon.retention.end(lease)
             raise

@@ -126,7 +126,8 @@ def test_restore_from_memory_after_the_trainer_was_sigkilled_mid_training(
     newest = latest(socket=daemon.socket)
     assert (newest.source, newest.path) == ("memory", tmp_path / "step-1")
     assert_same_state(newest.state, make_state(8))
-    assert metric(daemon, "restores_total", source="memory") == 2
+    # Each restore reported itself (one way, as it closed its connection).
+    wait_for(lambda: metric(daemon, "restores_total", source="memory") == 2, 10, "2 reports")
     assert not (tmp_path / "victim").exists()  # the copy it died in was never committed
     # base, of another structure, was released when the trainer changed structure
     assert restored(tmp_path / "base", daemon).source == "files"
