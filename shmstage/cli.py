@@ -326,6 +326,7 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
                 ],
             )
         )
+    out.extend(_memory_lines(s.get("memory")))
     out.append("")
     jobs = s.get("jobs", [])
     out.append(f"JOBS IN FLIGHT ({len(jobs)})")
@@ -350,6 +351,46 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
             line = f"  {when}{job} {e['client']}: [{e['code']}] {e['message']}"
             out.append(line if len(line) <= width else line[: width - 1] + "…")
     return "\n".join(out) + "\n"
+
+
+def _memory_lines(memory: dict[str, Any] | None) -> list[str]:
+    """Checkpoints a restart can restore from the daemon's memory: each layout's newest,
+    its owner, size and age; RETAINED ones outlived their trainer and expire."""
+    if not memory:
+        return []
+    ttl = memory.get("ttl_seconds", 0)
+    policy = (
+        f"retention {format_size(memory.get('retained_bytes', 0))} of "
+        f"{format_size(memory.get('budget_bytes', 0))}, ttl {_duration(ttl)}, "
+        f"{memory.get('leases', 0)} lease(s)"
+        if ttl
+        else "retention off (ttl 0)"
+    )
+    checkpoints = memory.get("checkpoints", [])
+    out = ["", f"CHECKPOINTS IN MEMORY ({len(checkpoints)}; {policy})"]
+    if checkpoints:
+        out.extend(
+            _table_lines(
+                ["UID", "JOB", "SIZE", "MEMORY", "AGE", "STATE", "EXPIRES", "LEASES", "PATH"],
+                [
+                    [
+                        str(c["uid"]),
+                        str(c["job"]),
+                        format_size(c["bytes"]),
+                        format_size(c.get("memory_bytes", 0)),
+                        _duration(c.get("age_seconds", 0.0)),
+                        ("retained" if c.get("retained") else "live")
+                        + ("" if c.get("durable") else ", writing"),
+                        "-" if c.get("expires_seconds") is None
+                        else _duration(c["expires_seconds"]),
+                        str(c.get("leases", 0)),
+                        c.get("directory", "?"),
+                    ]
+                    for c in checkpoints
+                ],
+            )
+        )
+    return out
 
 
 def _other_clients(status: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,6 +8,8 @@ caching on them, or ignoring offsets, is how earlier systems silently re-saved s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -159,3 +161,12 @@ class Layout:
 
     def keys(self) -> Sequence[str]:
         return [spec.key for spec in self.tensors]
+
+    def digest(self) -> str:
+        """A name for the structure: equal layouts, and only they, have equal digests.
+
+        How a restarted trainer asks the daemon for the newest checkpoint *of its own
+        structure* without sending it (``latest``): both sides hash the same wire form.
+        """
+        text = json.dumps(self.to_wire(), separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

@@ -8,6 +8,7 @@ written, so a reader can prove that what it loads is what was staged.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,16 @@ class Manifest:
             return cls(files, tensors, document["tree"], document["metadata"], document["save"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"{MANIFEST_NAME} is missing or mangles a field: {exc!r}") from exc
+
+
+def digest(document: bytes) -> str:
+    """What identifies a committed checkpoint's contents: the SHA-256 of its manifest's
+    bytes (which hold every tensor's checksum, the structure and the save's metadata).
+
+    The daemon remembers the digest of the manifest it wrote; a reader hashes the manifest
+    it reads from disk, and only when both agree does it restore from the daemon's memory.
+    """
+    return hashlib.sha256(document).hexdigest()
 
 
 def build(

@@ -38,8 +38,14 @@ DEFAULT_MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
 MAX_FDS_PER_FRAME: Final = 253
 #: Descriptors may be queued ahead of their frame's bytes, but never without bound.
 MAX_PENDING_FDS: Final = 4 * MAX_FDS_PER_FRAME
-#: What a daemon accepts from a client: only ``commit`` carries descriptors (at most 4).
+#: What a daemon accepts from a client: only ``commit`` (at most 4), ``lease`` and
+#: ``latest`` (at most 1) carry descriptors.
 DAEMON_MAX_PENDING_FDS: Final = 8
+#: The client ops whose handler takes the descriptors that came with them (any other op
+#: carrying one is refused and the descriptors closed), and how many each may carry.
+FD_OPS: Final = {"commit": (3, 4), "lease": (1, 1), "latest": (0, 1)}
+#: Where a restored checkpoint came from, as a client reports it (``restored``).
+RESTORE_SOURCES: Final = ("memory", "files")
 #: Frames of every op but the two that carry a structure are small: refused above this
 #: before they are decoded, so a 31 MiB "hello" costs nothing.
 SMALL_FRAME_BYTES: Final = 64 * 1024
@@ -71,6 +77,8 @@ class ErrorCode(enum.StrEnum):
     STORAGE = "storage"
     EXISTS = "exists"
     SHUTTING_DOWN = "shutting_down"
+    #: The daemon does not hold (any more) the checkpoint asked for: read the files.
+    NOT_RETAINED = "not_retained"
     INTERNAL = "internal"
 
 
@@ -151,12 +159,27 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "release": {"layout": _INT},
     "status": {},
     "metrics": {},
+    # Restoring from the daemon's memory. "lease": the exact checkpoint whose data file
+    # the client opened (one descriptor, read-only) and whose manifest hashes to
+    # ``digest`` (``manifest.digest``). "latest": the caller's newest acknowledged
+    # checkpoint, optionally of one structure (``layout.Layout.digest``) and, with one
+    # descriptor, in that parent directory. Both are answered by "leased" and the
+    # segments' read-only descriptors in "lease_fds" frames, or by "not_retained".
+    "lease": {"digest": _STR, "seconds": _NUM, "max_fds": _INT},
+    "latest": {"structure": _STR, "seconds": _NUM, "max_fds": _INT},
+    "renew": {"lease": _INT, "seconds": _NUM},
+    "unlease": {"lease": _INT},
+    # One-way, never answered: how a restore went, for the metrics.
+    "restored": {"source": _STR, "seconds": _NUM, "bytes": _INT},
 }
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "welcome": {"version": _INT, "daemon": _STR, "instance": _STR, "limits": _MAP},
-    "registered": {"layout": _INT, "slots": _INT, "segments": _INT},
+    # ``adopted``: segments taken over from a retained layout of the same user and
+    # structure (none of them was created for this registration).
+    "registered": {"layout": _INT, "slots": _INT, "segments": _INT, "adopted": _INT},
     "segment_fds": {"layout": _INT, "first": _INT},
-    "acquired": {"layout": _INT, "slot": _INT, "waited": _NUM},
+    # ``leased``: the wait was (also) for a reader's lease on a free slot to end.
+    "acquired": {"layout": _INT, "slot": _INT, "waited": _NUM, "leased": _BOOL},
     "cancelled": {"layout": _INT, "slot": _INT},
     "prepared": {"layout": _INT, "slot": _INT, "job": _INT},
     "committed": {"layout": _INT, "slot": _INT, "job": _INT},
@@ -165,6 +188,30 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "status": {"status": _MAP},
     "metrics": {"metrics": _MAP},
     "error": {"code": _STR, "message": _STR, "fatal": _BOOL},
+    # A lease: the slot's segments cannot be refilled until "unlease", the connection's
+    # end, or ``seconds`` from now. ``digest`` is empty and ``durable`` false while the
+    # checkpoint is still being written; ``tensors``, ``tree`` and ``metadata`` (the
+    # structure) come with "latest", whose caller has no manifest to read them from.
+    "leased": {
+        "lease": _INT,
+        "seconds": _NUM,
+        "job": _INT,
+        "segments": _INT,
+        "sizes": _LIST,
+        "durable": _BOOL,
+        "digest": _STR,
+        "directory": _STR,
+        "data_file": _STR,
+        "acknowledged_unix": _NUM,
+        "tensors": _LIST,
+        "tree": _ANY,
+        "metadata": _MAP,
+    },
+    "lease_fds": {"lease": _INT, "first": _INT},
+    "renewed": {"lease": _INT, "seconds": _NUM},
+    # ``held``: the lease was still in force until now, so nothing refilled the slot
+    # while the client read it (false: it had expired, and what was read may be torn).
+    "unleased": {"lease": _INT, "held": _BOOL},
 }
 #: The parts of a save's stall a "report" may carry besides ``stall_seconds``.
 REPORT_PARTS: Final = (
@@ -191,6 +238,12 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     # sends as many descriptors per message as Linux allows.
     "register": frozenset({"slots", "max_fds"}),
     "report": frozenset(REPORT_PARTS),
+    "lease": frozenset({"seconds", "max_fds"}),
+    "latest": frozenset({"structure", "seconds", "max_fds"}),
+    "renew": frozenset({"seconds"}),
+    "registered": frozenset({"adopted"}),
+    "acquired": frozenset({"leased"}),
+    "leased": frozenset({"tensors", "tree", "metadata"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 

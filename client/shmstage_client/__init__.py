@@ -8,7 +8,8 @@ with Stager() as stager:
     # or: stager.guard(optimizer) once, then save(..., block=False): the copy runs behind
     # the next forward and backward, and the optimizer's step waits for it
     handle.wait()                                                      # durable
-state = load("/ckpt/step-1000")
+state = load("/ckpt/step-1000")         # from shmstaged's memory when it still holds it
+restored = latest(device="cuda")         # after a crash: the newest checkpoint, no path needed
 """
 
 from shmstage.checkpoint import CheckpointError, ChecksumError
@@ -28,6 +29,7 @@ from shmstage_client.errors import (
 from shmstage_client.guard import Guard
 from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.loading import load
+from shmstage_client.restoring import Restored, latest, restore
 from shmstage_client.staged import Staged
 from shmstage_client.stager import Stager
 
@@ -42,6 +44,7 @@ __all__ = [
     "DestinationError",
     "Guard",
     "PersistError",
+    "Restored",
     "SaveError",
     "SaveEvent",
     "SaveHandle",
@@ -53,5 +56,7 @@ __all__ = [
     "Stager",
     "StagingLimitExceeded",
     "UnsupportedValue",
+    "latest",
     "load",
+    "restore",
 ]

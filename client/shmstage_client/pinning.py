@@ -29,9 +29,13 @@ from shmstage import segment
 
 #: Pinned for every CUDA context in the process, not only the current device's.
 _HOST_REGISTER_PORTABLE: Final = 0x01
+#: The device only reads the range (cudaHostRegisterReadOnly): what registering a
+#: PROT_READ mapping needs, as restoring from the daemon's read-only segments does.
+HOST_REGISTER_READ_ONLY: Final = 0x08
 #: Well below the 512 GiB at which a single registration fails.
 MAX_REGISTER_BYTES: Final = 256 << 30
 _PAGE: Final = mmap.PAGESIZE
+_MADV_POPULATE_READ: Final = 22
 _MADV_POPULATE_WRITE: Final = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -98,25 +102,14 @@ class PinnedRanges:
     def register(self, buffers: Sequence[torch.Tensor]) -> None:
         """Touch and register each uint8 buffer, large layouts on several threads (see
         ``segment.setup_groups``); all or nothing."""
-        runtime = _get_runtime()
+        _get_runtime()  # without CUDA this fails here, before any setup thread starts
 
         def pin(index: int) -> None:
             buffer = buffers[index]
             if buffer.numel() == 0:
                 return
             prefault(buffer)
-            address, size = buffer.data_ptr(), buffer.numel()
-            for start in range(0, size, MAX_REGISTER_BYTES):
-                length = min(MAX_REGISTER_BYTES, size - start)
-                code = runtime.lib.cudaHostRegister(
-                    address + start, length, _HOST_REGISTER_PORTABLE
-                )
-                if code != 0:
-                    runtime.clear_sticky_error()  # CUDA's last error is per thread: here
-                    raise PinError(
-                        f"cudaHostRegister of {length} bytes failed: {runtime.error(code)}"
-                    )
-                self._bases.append(address + start)  # list.append is atomic
+            register_range(buffer.data_ptr(), buffer.numel(), _HOST_REGISTER_PORTABLE, self._bases)
 
         try:
             segment.in_parallel([buffer.numel() for buffer in buffers], pin)
@@ -125,22 +118,57 @@ class PinnedRanges:
             raise
 
     def release(self) -> None:
-        if not self._bases:
-            return
-        runtime = _get_runtime()
-        failures = []
-        for base in self._bases:
-            code = runtime.lib.cudaHostUnregister(base)
-            if code != 0:
-                runtime.clear_sticky_error()
-                failures.append(runtime.error(code))
-        self._bases.clear()
+        failures = unregister(self._bases)
         if failures:
             warnings.warn(
                 f"shmstage: cudaHostUnregister failed for {len(failures)} range(s): {failures[0]}",
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def register_range(address: int, size: int, flags: int, bases: list[int]) -> None:
+    """Register ``size`` bytes at ``address`` in calls under ``MAX_REGISTER_BYTES`` (one of
+    512 GiB fails), appending each registered base to ``bases`` (``list.append`` is atomic,
+    so setup threads share one list); raises PinError after clearing CUDA's sticky error,
+    leaving what it registered in ``bases`` for the caller to release."""
+    runtime = _get_runtime()
+    for start in range(0, size, MAX_REGISTER_BYTES):
+        length = min(MAX_REGISTER_BYTES, size - start)
+        code = runtime.lib.cudaHostRegister(address + start, length, flags)
+        if code != 0:
+            runtime.clear_sticky_error()  # CUDA's last error is per thread: here
+            raise PinError(f"cudaHostRegister of {length} bytes failed: {runtime.error(code)}")
+        bases.append(address + start)
+
+
+def unregister(bases: list[int]) -> list[str]:
+    """Unregister every base (before its range is unmapped); empties ``bases`` and returns
+    the errors of those that failed (their sticky errors cleared)."""
+    if not bases:
+        return []
+    runtime = _get_runtime()
+    failures = []
+    for base in bases:
+        code = runtime.lib.cudaHostUnregister(base)
+        if code != 0:
+            runtime.clear_sticky_error()
+            failures.append(runtime.error(code))
+    bases.clear()
+    return failures
+
+
+def prefault_read(address: int, size: int) -> None:
+    """Fill the page table of a read-only mapping before registering it (the read twin of
+    ``prefault``): ``MADV_POPULATE_READ``, else one read per page."""
+    if size == 0:
+        return
+    start = address - address % _PAGE
+    if _libc.madvise(start, size + address - start, _MADV_POPULATE_READ) == 0:
+        return
+    ctypes.string_at(start, 1)
+    for page in range(start + _PAGE, address + size, _PAGE):
+        ctypes.string_at(page, 1)
 
 
 def prefault(buffer: torch.Tensor) -> None:

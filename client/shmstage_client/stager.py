@@ -121,12 +121,17 @@ class Stager:
     def __enter__(self) -> Stager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(retain=kind is not None)
 
-    def close(self, timeout: float | None = 600.0) -> None:
+    def close(self, timeout: float | None = 600.0, *, retain: bool = False) -> None:
         """Wait (bounded) for saves still being written, then release everything: the
-        layout, the spare pending directory, the connection."""
+        layout, the spare pending directory, the connection.
+
+        ``retain=True`` (and leaving a ``with Stager()`` block by an exception) leaves the
+        layout to the daemon instead of releasing it, as a trainer that dies does: the
+        daemon keeps the newest checkpoint in memory for a restart to restore
+        (``latest``) and the segments for it to adopt."""
         deadline = None if timeout is None else time.monotonic() + timeout
         landed = self._in_flight is None or self._in_flight.settled(timeout)
         for guard in list(self._guards):
@@ -141,7 +146,7 @@ class Stager:
         self._copier.close(wait=landed)
         self._spares.close()
         self._background.shutdown(wait=True)  # reports still queued go out first
-        if self._layout is not None and self._connection.alive:
+        if self._layout is not None and self._connection.alive and not retain:
             with contextlib.suppress(SaveError):
                 self._connection.call("release", {"layout": self._layout.id}, timeout=30)
         if self._layout is not None and landed:
@@ -462,6 +467,13 @@ class Stager:
                     raise DaemonLost(f"unexpected {frame.op} while receiving segments")
                 mapped.add_segments(frame.fds)  # map and close each batch as it arrives
             mapped.complete(pin=pin)
+            if reply.body.get("adopted"):
+                log.info(
+                    "layout %d: adopted %d segments the daemon retained (no new segment for "
+                    "them)",
+                    mapped.id,
+                    reply.body["adopted"],
+                )
         except BaseException:
             if mapped is not None:
                 mapped.close()
@@ -476,6 +488,11 @@ class Stager:
             {"layout": mapped.id, "wait": self.wait_for_slot, "timeout": self.slot_timeout},
             timeout=None if self.slot_timeout is None else self.slot_timeout + 30,
         )
+        if reply.body.get("leased"):
+            log.warning(
+                "save waited %.3f s for a slot leased by a reader restoring from it",
+                reply.body["waited"],
+            )
         return reply.body["slot"]
 
 

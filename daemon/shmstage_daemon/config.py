@@ -272,6 +272,16 @@ def _size_at_least_one(value: Any) -> int:
     return nbytes
 
 
+def _positive_seconds(value: Any) -> float:
+    try:
+        seconds = _seconds(value)
+    except _Invalid:
+        seconds = 0.0
+    if seconds <= 0:
+        raise _Invalid("expected a finite number of seconds > 0")
+    return seconds
+
+
 def _optional_port(value: Any) -> int | None:
     if value is None:
         return None
@@ -353,6 +363,13 @@ def _budget(value: Any) -> int | str:
     return _budget_spec(value)
 
 
+def _share(spec: int | str, whole: int) -> int:
+    """Bytes, or a percentage of ``whole`` (validated by ``_budget_spec`` already)."""
+    if isinstance(spec, str) and spec.endswith("%"):
+        return int(whole * float(spec[:-1]) / 100)
+    return parse_size(spec)
+
+
 # (field name) -> (TOML table, key in that table, converter). The single source of truth for
 # the file format, the CLI overrides and the error messages.
 _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
@@ -364,6 +381,7 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "metrics_port": ("server", "metrics_port", _optional_port),
     "journal_dir": ("server", "journal_dir", _absolute_path),
     "allow_disk_journal": ("server", "allow_disk_journal", _bool),
+    "restore_groups": ("server", "restore_groups", _groups),
     "shm_budget": ("limits", "shm_budget", _budget),
     "max_bytes": ("limits", "max_bytes", _optional_size),
     "max_segments": ("limits", "max_segments", _int_at_least(1)),
@@ -380,6 +398,12 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "write_buffers": ("storage", "write_buffers", _block_size(64 << 10, 16 << 30)),
     "direct_io": ("storage", "direct_io", _boolean),
     "fsync": ("storage", "fsync", _choice(*FSYNC_POLICIES)),
+    "retain_ttl": ("retention", "ttl", _seconds),
+    "retain_budget": ("retention", "budget", _budget),
+    "retain_min_free": ("retention", "min_free", _budget),
+    "lease_seconds": ("retention", "lease_seconds", _positive_seconds),
+    "max_lease_seconds": ("retention", "max_lease_seconds", _positive_seconds),
+    "max_leases": ("retention", "max_leases", _int_at_least(1)),
     "log_level": ("log", "level", _choice(*LOG_LEVELS)),
     "log_format": ("log", "format", _choice(*LOG_FORMATS)),
 }
@@ -435,11 +459,25 @@ class Config:
     write_buffers: int | str = "64MiB"
     direct_io: bool = True
     fsync: str = "always"
+    restore_groups: frozenset[int] = frozenset()
+    # A restart usually comes within minutes (torchrun, a scheduler's requeue); after half
+    # an hour it most likely lands elsewhere, and the memory is better given back. Retained
+    # memory yields to any registration and to memory pressure, so the budget may be large.
+    retain_ttl: float = 1800.0
+    retain_budget: int | str = "50%"
+    retain_min_free: int | str = "10%"
+    lease_seconds: float = 60.0
+    max_lease_seconds: float = 600.0
+    max_leases: int = 64
     log_level: str = "info"
     log_format: str = "text"
     source: Path | None = None
     # Derived, not configurable: filled in by __post_init__.
     shm_budget_bytes: int = field(init=False, default=0)
+    #: The retention budget in bytes (a percentage is of the shared-memory budget), and
+    #: the /dev/shm space retention keeps free (a percentage is of /dev/shm's size).
+    retain_budget_bytes: int = field(init=False, default=0)
+    retain_min_free_bytes: int = field(init=False, default=0)
     warnings: tuple[str, ...] = field(init=False, default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -460,7 +498,20 @@ class Config:
         capacity = measure_shm()
         budget = resolve_budget(self.shm_budget, capacity=capacity)
         object.__setattr__(self, "shm_budget_bytes", budget)
+        retained = _share(self.retain_budget, budget)
+        object.__setattr__(self, "retain_budget_bytes", min(retained, budget))
+        object.__setattr__(
+            self, "retain_min_free_bytes", _share(self.retain_min_free, capacity.shm_total)
+        )
+        if self.lease_seconds > self.max_lease_seconds:
+            why = f"must not exceed [retention] max_lease_seconds ({self.max_lease_seconds:g})"
+            raise ConfigError(_problem("lease_seconds", self.lease_seconds, why))
         warnings = []
+        if retained > budget:
+            warnings.append(
+                f"[retention] budget = {_toml_repr(self.retain_budget)} is above the "
+                f"shared-memory budget ({budget} bytes); retention is limited by it instead"
+            )
         if budget > capacity.mem_available:
             warnings.append(
                 f"[limits] shm_budget = {_toml_repr(self.shm_budget)} resolves to {budget} bytes "
@@ -506,7 +557,7 @@ class Config:
 
     def diff(self, other: Config) -> dict[str, tuple[Any, Any]]:
         """`old.diff(new)` -> {setting: (old value, new value)}, to log what a reload changed."""
-        names = [*_SCHEMA, "shm_budget_bytes"]
+        names = [*_SCHEMA, "shm_budget_bytes", "retain_budget_bytes", "retain_min_free_bytes"]
         return {
             n: (getattr(self, n), getattr(other, n))
             for n in names

@@ -135,6 +135,9 @@ class JobResult:
     #: Stopped by the daemon's shutdown, not failed: nothing was removed, and the journal
     #: entry (if any) must stay so the next start finishes the job.
     interrupted: bool = False
+    #: ``manifest.digest`` of the manifest written: what names this checkpoint's contents
+    #: when a reader asks for it from memory (empty when the job did not write it).
+    digest: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         if self.ok:
@@ -188,13 +191,14 @@ def run(job: PersistJob) -> JobResult:
         job.destination.close()
 
 
-def _published(job: PersistJob, size: int, started: float) -> JobResult:
+def _published(job: PersistJob, size: int, started: float, digest: str = "") -> JobResult:
     return JobResult(
         job.id,
         True,
         bytes=size,
         seconds=time.perf_counter() - started,
         files=[job.destination.data_file, MANIFEST_NAME],
+        digest=digest,
     )
 
 
@@ -242,7 +246,7 @@ def _run(job: PersistJob) -> JobResult:
             faults.maybe_eio("sync-dir")
         _sync_dir(dest, job.fsync)
         _publish_directory(job, step)
-        return _published(job, total, started)
+        return _published(job, total, started, manifest.digest(document))
     except JobInterrupted:
         return _interrupted(job, step, started)
     except JobFailed as exc:

@@ -25,6 +25,7 @@ from shmstage_daemon import __version__, logsetup
 from shmstage_daemon.admission import Allowlist
 from shmstage_daemon.config import Config, ConfigError, load_config
 from shmstage_daemon.notify import Notifier, listen_fds, unix_stream_listener
+from shmstage_daemon.retention import RetentionPolicy
 from shmstage_daemon.server import Daemon, Settings, StartupError
 from shmstage_daemon.service import Service
 from shmstage_daemon.store import Limits
@@ -56,6 +57,8 @@ _OVERRIDES: Final = {
     "default_slots": "default_slots",
     "metrics_port": "metrics_port",
     "journal_dir": "journal_dir",
+    "retain_ttl": "retain_ttl",
+    "retain_budget": "retain_budget",
 }
 
 
@@ -226,6 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accept a journal directory on a disk (every save then waits for its fsync)",
     )
+    parser.add_argument(
+        "--retain-ttl",
+        type=_number,
+        default=None,
+        metavar="SECONDS",
+        help="how long a checkpoint stays in memory after its trainer went away, for a "
+        "restart to restore and adopt (default 1800; 0 keeps nothing)",
+    )
+    parser.add_argument(
+        "--retain-budget",
+        default=None,
+        metavar="SIZE",
+        help='memory all retained checkpoints may hold: bytes, "16GiB" or "50%%" of the '
+        "shared-memory budget (default 50%%)",
+    )
     parser.add_argument("--version", action="version", version=f"shmstaged {__version__}")
     return parser
 
@@ -291,6 +309,15 @@ def settings_of(config: Config) -> Settings:
         journal_root=config.journal_dir,
         allow_disk_journal=config.allow_disk_journal,
         config_source=config.source,
+        retention=RetentionPolicy(
+            ttl=config.retain_ttl,
+            budget_bytes=config.retain_budget_bytes,
+            min_free_bytes=config.retain_min_free_bytes,
+            lease_seconds=config.lease_seconds,
+            max_lease_seconds=config.max_lease_seconds,
+            max_leases=config.max_leases,
+            restore_groups=config.restore_groups,
+        ),
     )
 
 
@@ -315,6 +342,11 @@ def describe(config: Config) -> str:
         f"{config.max_prepared}, max_journal_bytes {format_size(int(config.max_journal_bytes))}, "
         f"max_buffered_bytes {format_size(int(config.max_buffered_bytes))}",
         f"  default_slots    {config.default_slots}",
+        f"  retention        ttl {config.retain_ttl:g} s, budget {config.retain_budget} = "
+        f"{format_size(config.retain_budget_bytes)}, min_free {config.retain_min_free} = "
+        f"{format_size(config.retain_min_free_bytes)}; leases {config.lease_seconds:g} s "
+        f"(at most {config.max_lease_seconds:g} s, {config.max_leases} per uid); "
+        f"restore_groups {sorted(config.restore_groups)}",
         f"  storage          writer_threads {config.writer_threads}, io_threads "
         f"{config.io_threads}, fsync {config.fsync}",
         f"  data writes      write_chunk {format_size(int(config.write_chunk))}, write_buffers "

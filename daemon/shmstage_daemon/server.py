@@ -35,7 +35,7 @@ from shmstage.protocol import (
 )
 from shmstage.segment import SegmentRef
 from shmstage.units import format_size
-from shmstage_daemon import __version__, faults, job, journal, scheduler
+from shmstage_daemon import __version__, faults, job, journal, retention, scheduler
 from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import measure_shm
 from shmstage_daemon.fairness import FairExecutor
@@ -82,10 +82,19 @@ class Settings:
     #: Where instances' journal directories live; memory-backed unless allow_disk_journal.
     journal_root: Path = Path("/dev/shm")
     allow_disk_journal: bool = False
+    #: Checkpoints kept in memory for a restarted trainer, and leases on them.
+    retention: retention.RetentionPolicy = field(default_factory=retention.RetentionPolicy)
 
     #: What a SIGHUP reload can change in a running daemon; the rest needs a restart.
-    RELOADABLE = ("limits", "allowlist", "fsync", "shutdown_timeout", "default_slots",
-                  "operator_gids")
+    RELOADABLE = (
+        "limits",
+        "allowlist",
+        "fsync",
+        "shutdown_timeout",
+        "default_slots",
+        "operator_gids",
+        "retention",
+    )
 
 
 @dataclass
@@ -112,6 +121,9 @@ class Daemon:
         self.started = time.time()
         self.stats = {"saves": 0, "failed": 0, "bytes": 0}
         self.telemetry = Telemetry()
+        self.retention = retention.Retention(
+            self.store, settings.retention, self.telemetry, self.unlink_later, self._lease_ended
+        )
         #: True when systemd passed the listening socket: it is systemd's, never unlinked.
         self.activated = False
         self._session_ids = itertools.count(1)
@@ -267,9 +279,20 @@ class Daemon:
         for entry in list(self._owed.values()):
             self._track(loop.create_task(self._finish_owed(entry)))
         accept = loop.create_task(self._accept_loop(self._listener))
+        sweep = loop.create_task(self._sweep_retained())
         await self._stop.wait()
         accept.cancel()
+        sweep.cancel()
         await self._shutdown()
+
+    async def _sweep_retained(self) -> None:
+        """Retained layouts past their TTL, over the budget or under memory pressure go."""
+        while True:
+            await asyncio.sleep(retention.SWEEP_INTERVAL_S)
+            try:
+                self.retention.sweep()
+            except Exception:  # a bug here must not end the sweeping (nor the daemon)
+                log.exception("sweeping retained layouts failed")
 
     def request_stop(self) -> None:
         if not self._stop.is_set():
@@ -452,6 +475,7 @@ class Daemon:
         """
         old = self.settings
         self.store.limits = new.limits
+        self.retention.policy = new.retention
         for name in Settings.RELOADABLE:
             setattr(old, name, getattr(new, name))
         self.fsync = new.fsync
@@ -534,7 +558,20 @@ class Daemon:
     def _collect(self, staged: StagedLayout) -> None:
         names = self.store.collect(staged)
         if names:
-            self._track(asyncio.ensure_future(self.run_io(_unlink_all, names)))
+            self.retention.forget(staged)
+            self.unlink_later(names)
+
+    def unlink_later(self, names: list[str]) -> asyncio.Future[Any]:
+        """Unlink segments in an I/O thread (shutdown waits for it)."""
+        future = asyncio.ensure_future(self.run_io(_unlink_all, names))
+        self._track(future)
+        return future
+
+    def _lease_ended(self, staged: StagedLayout, slot: Slot) -> None:
+        """The last lease on a slot ended: a waiting fill may take it, a released layout
+        only the lease kept may go."""
+        self.store.hand_over(staged, slot)
+        self._collect(staged)
 
     def _track(self, future: asyncio.Future[Any]) -> None:
         """Background work that shutdown waits for (unlinks, journal removals, recovery)."""
@@ -686,9 +723,13 @@ class Daemon:
         self._track(asyncio.ensure_future(self.run_io(reap)))
 
     def session_closed(self, session: Session) -> None:
+        """A client went away. Its leases end; a layout it did not release is retained for
+        a restart when it holds an acknowledged checkpoint (``retention``), else released."""
         self.sessions.pop(session.id, None)
+        self.retention.end_session(session.id)
         for staged in self.store.layouts_of(session.id):
-            self.release(staged)
+            if self.stopping or not self.retention.keep(staged):
+                self.release(staged)
         self.store.forget_client(session.id)
 
     def start_job(
@@ -728,6 +769,7 @@ class Daemon:
                 )
             return
         self._unjournal(record.persist.id)  # ran to an end: nothing is owed any more
+        self.retention.job_ended(record.slot, result)  # before the slot can be refilled
         self.store.end_job(record.session.id, record.staged, record.slot, record.persist.id)
         if result.ok:
             self.stats["saves"] += 1
@@ -798,6 +840,11 @@ class Daemon:
             },
             "limits": {**limits.to_wire(), "default_slots": self.settings.default_slots},
             "clients": [self._client_status(s, jobs) for s in sessions],
+            "memory": self.retention.status(
+                staged
+                for staged in self.store.layouts.values()
+                if only is None or staged.uid == only
+            ),
             "jobs": [
                 {
                     "job": jid,
@@ -843,6 +890,9 @@ class Daemon:
                 "shm_reserved_bytes": self.store.reserved_bytes,
                 "shm_budget_bytes": self.store.limits.shm_budget_bytes,
                 "segments": sum(x.segment_count for x in self.store.layouts.values()),
+                "retained_bytes": self.store.retained_bytes,
+                "retained_layouts": len(self.store.retained),
+                "leases": len(self.retention.leases),
                 "uptime_seconds": time.time() - self.started,
             }
         )

@@ -24,6 +24,7 @@ from shmstage import datafile, names, segment, tree
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import (
+    FD_OPS,
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
     REPORT_PARTS,
@@ -33,9 +34,10 @@ from shmstage.protocol import (
     ProtocolError,
     Role,
 )
-from shmstage_daemon import __version__, job
+from shmstage.segment import SegmentRef
+from shmstage_daemon import __version__, job, retention
 from shmstage_daemon.admission import Peer, may_write_dir
-from shmstage_daemon.slot import Slot
+from shmstage_daemon.slot import Slot, SlotState
 from shmstage_daemon.store import StagedLayout, StoreError
 from shmstage_daemon.transport import Transport, close_fds
 
@@ -183,15 +185,16 @@ class Session:
 
     async def _dispatch(self, frame: Frame) -> None:
         """Run one request. Descriptors are closed exactly once: here, unless the op is
-        ``commit``, whose handler owns them from its first line (closing a number twice
-        could close whatever a writer thread opened under it in between)."""
+        one that passes them (``commit``, ``lease``, ``latest``), whose handler owns them
+        from its first line (closing a number twice could close whatever a writer thread
+        opened under it in between)."""
         handler = getattr(self, f"_op_{frame.op}")
         try:
-            if frame.op != "commit" and frame.fds:
+            if frame.op not in FD_OPS and frame.fds:
                 close_fds(frame.fds)
                 why = (
-                    f"{frame.op} carried {len(frame.fds)} file descriptor(s); only commit "
-                    "passes descriptors (they were closed)"
+                    f"{frame.op} carried {len(frame.fds)} file descriptor(s); only commit, "
+                    "lease and latest pass descriptors (they were closed)"
                 )
                 if frame.op == "hello":  # no handshake without its answer: end the session
                     raise ProtocolError(ErrorCode.BAD_REQUEST, why, frame.id)
@@ -264,12 +267,13 @@ class Session:
             frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
         )
         slots = frame.body.get("slots", self.daemon.settings.default_slots)
-        batch = frame.body.get("max_fds", FDS_PER_FRAME)
-        if not 1 <= batch <= FDS_PER_FRAME:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"register.max_fds {batch} must be 1..{FDS_PER_FRAME} descriptors per message",
-            )
+        batch = _batch(frame)
+        adopted = await self._adopt(layout, slots)
+        if adopted is not None:
+            if self.open:
+                await self._registered(frame, *adopted, batch=batch)
+            return
+        await self.daemon.retention.make_room(self.store.registration_bytes(layout, slots))
         nbytes = self.store.reserve(self.id, layout, slots)
         try:
             self.daemon.check_capacity(nbytes)
@@ -280,33 +284,92 @@ class Session:
         except BaseException:
             self.store.unreserve(self.peer.uid, nbytes, len(layout.tensors) * slots)
             raise
-        staged = self.store.add(self.id, layout, refs, nbytes)
-        self.daemon.telemetry.registered()
+        staged = self.store.add(self.id, layout, refs, nbytes, uid=self.peer.uid)
+        self.daemon.telemetry.registered(created=staged.segment_count)
         if not self.open:  # the client left while segments were being made
             self.daemon.release(staged)
             return
+        await self._registered(frame, staged, batch=batch)
+
+    async def _registered(
+        self, frame: Frame, staged: StagedLayout, adopted: int = 0, *, batch: int
+    ) -> None:
+        """Answer a registration: the layout, then every slot's segments, writable."""
         log.info(
-            "%s registered layout %d: %d tensors x %d slot(s), %d bytes",
+            "%s registered layout %d: %d tensors x %d slot(s), %d bytes%s",
             self.describe(),
             staged.id,
-            len(layout.tensors),
-            slots,
-            nbytes,
+            len(staged.layout.tensors),
+            len(staged.slots),
+            staged.bytes_reserved,
+            f" ({adopted} segments adopted from a retained layout)" if adopted else "",
         )
-        flat = [ref for slot_refs in refs for ref in slot_refs]
-        await self.send(
-            "registered", frame.id, {"layout": staged.id, "slots": slots, "segments": len(flat)}
+        flat = [ref for slot in staged.slots for ref in slot.segments]
+        reply = {"layout": staged.id, "slots": len(staged.slots), "segments": len(flat)}
+        await self.send("registered", frame.id, {**reply, "adopted": adopted})
+        await self._send_segments(
+            frame.id, "segment_fds", {"layout": staged.id}, flat, batch, writable=True
         )
-        for first in range(0, len(flat), batch):
-            # One batch in flight at a time: descriptors unread by the client are charged
-            # to the daemon's user (see Transport.drained); a client that stops reading is
-            # dropped after the send timeout.
+
+    async def _send_segments(
+        self,
+        request_id: int,
+        op: str,
+        fields: dict[str, Any],
+        refs: Sequence[SegmentRef],
+        batch: int,
+        *,
+        writable: bool,
+    ) -> None:
+        """Segment descriptors in frames of at most ``batch``, opened now, closed once sent.
+
+        One batch in flight at a time: descriptors the client has not read yet are charged
+        to the daemon's user (see ``Transport.drained``); a client that stops reading is
+        dropped after the send timeout.
+        """
+        for first in range(0, len(refs), batch):
             await self.transport.drained(self.transport.send_timeout)
-            fds = [segment.open_fd(ref, writable=True) for ref in flat[first : first + batch]]
+            fds: list[int] = []
             try:
-                await self.send("segment_fds", frame.id, {"layout": staged.id, "first": first}, fds)
+                for ref in refs[first : first + batch]:
+                    fds.append(segment.open_fd(ref, writable=writable))
+                await self.send(op, request_id, {**fields, "first": first}, fds)
             finally:
                 close_fds(fds)
+
+    async def _adopt(self, layout: Layout, slots: int) -> tuple[StagedLayout, int] | None:
+        """Take over a retained layout of this user and structure, if there is one: its
+        segments (and the checkpoint its newest slot holds) become this client's, and only
+        the slots it lacks are created."""
+        staged = self.daemon.retention.adoptable(self.peer.uid, layout, slots)
+        if staged is None:
+            return None
+        kept = len(staged.slots)
+        adopted = staged.segment_count
+        nbytes = self.store.adopt(self.id, staged, slots)
+        if kept < slots:
+            try:
+                await self.daemon.retention.make_room(nbytes)
+                self.daemon.check_capacity(nbytes)
+                refs = await self.daemon.run_io(self.daemon.create_segments, layout, slots - kept)
+            except segment.SegmentError as exc:
+                self._disown(staged, nbytes)
+                raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
+            except BaseException:
+                self._disown(staged, nbytes)
+                raise
+            if self.store.layouts.get(staged.id) is not staged:  # collected: client gone
+                self.daemon.unlink_later([ref.name for slot_refs in refs for ref in slot_refs])
+                return staged, adopted
+            self.store.extend(staged, refs)
+        self.daemon.telemetry.registered(
+            created=staged.segment_count - adopted, adopted=adopted
+        )
+        return staged, adopted
+
+    def _disown(self, staged: StagedLayout, nbytes: int) -> None:
+        if staged.owner == self.id and staged.retained is None:
+            self.store.disown(staged, nbytes, time.monotonic())
 
     async def _op_acquire(self, frame: Frame) -> None:
         staged = self.store.get(self.id, frame.body["layout"])
@@ -316,11 +379,14 @@ class Session:
                 "acquired", frame.id, {"layout": staged.id, "slot": slot.index, "waited": 0.0}
             )
             return
+        leased = [s.index for s in staged.slots if s.leased and s.state is SlotState.FREE]
         if not frame.body["wait"]:
             raise RequestError(
                 ErrorCode.NO_FREE_SLOT,
                 f"all {len(staged.slots)} slot(s) of layout {staged.id} are busy with earlier "
-                "checkpoints; wait for a slot, or register the layout with more slots",
+                "checkpoints"
+                + (f" or leased by readers restoring from them (slots {leased})" if leased else "")
+                + "; wait for a slot, or register the layout with more slots",
             )
         timeout = frame.body["timeout"]
         # NaN would poison the loop's timer heap; a negative or infinite one is a client bug.
@@ -339,10 +405,24 @@ class Session:
             )
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         staged.waiters.append(waiter)
-        self.spawn(self._await_slot(frame, staged, waiter, timeout))
+        if leased:
+            log.warning(
+                "%s: a save waits for slot(s) %s of layout %d, leased by readers restoring "
+                "from them (a lease ends within %g s)",
+                self.describe(),
+                leased,
+                staged.id,
+                self.daemon.retention.policy.max_lease_seconds,
+            )
+        self.spawn(self._await_slot(frame, staged, waiter, timeout, bool(leased)))
 
     async def _await_slot(
-        self, frame: Frame, staged: StagedLayout, waiter: asyncio.Future[Any], timeout: float | None
+        self,
+        frame: Frame,
+        staged: StagedLayout,
+        waiter: asyncio.Future[Any],
+        timeout: float | None,
+        leased: bool = False,
     ) -> None:
         started = time.perf_counter()
         try:
@@ -365,6 +445,7 @@ class Session:
                 "layout": staged.id,
                 "slot": slot.index,
                 "waited": time.perf_counter() - started,
+                "leased": leased,
             },
         )
 
@@ -513,6 +594,10 @@ class Session:
         self._unreported[persist.id] = persist
         while len(self._unreported) > MAX_UNREPORTED_JOBS:
             self._unreported.popitem(last=False)
+        try:  # acknowledged: the slot's bytes are this checkpoint now, until refilled
+            self.daemon.retention.remember(staged, slot, retention.held_of(persist, self.peer))
+        except OSError as exc:
+            log.debug("job %d: not restorable from memory: %s", persist.id, exc)
         self.daemon.start_job(self, staged, slot, persist)
 
     def _drop_prepared(self, job_id: int) -> None:
@@ -636,6 +721,125 @@ class Session:
             "save to a new directory",
         )
 
+    # -- restoring from memory (see ``retention``) -------------------------------------
+
+    async def _op_lease(self, frame: Frame) -> None:
+        """Lease the exact checkpoint whose data file the client opened and whose manifest
+        hashes to ``digest``: the daemon compares identities, never resolves a path."""
+        try:
+            if len(frame.fds) != 1:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"lease needs 1 descriptor (the checkpoint's data file, opened for "
+                    f"reading), got {len(frame.fds)}",
+                )
+            st = _readable_fd(frame.fds[0], "lease", stat.S_ISREG, "a regular file")
+        finally:
+            close_fds(frame.fds)
+        entry = self.daemon.retention.find((st.st_dev, st.st_ino), frame.body["digest"])
+        if entry is None:
+            self.daemon.telemetry.leased("not_retained")
+            raise RequestError(
+                ErrorCode.NOT_RETAINED,
+                "shmstaged does not hold this checkpoint in memory (never, refilled, given "
+                "back, or its files changed since); read it from its files",
+            )
+        await self._grant(frame, entry, structure=False)
+
+    async def _op_latest(self, frame: Frame) -> None:
+        """Lease this user's newest acknowledged checkpoint in memory, durable or still
+        being written; optionally of one structure, in one parent directory (descriptor)."""
+        parent = None
+        try:
+            if len(frame.fds) > 1:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"latest takes at most 1 descriptor (the parent directory), got "
+                    f"{len(frame.fds)}",
+                )
+            if frame.fds:
+                st = _readable_fd(frame.fds[0], "latest", stat.S_ISDIR, "a directory")
+                parent = (st.st_dev, st.st_ino)
+        finally:
+            close_fds(frame.fds)
+        entry = self.daemon.retention.newest_of(
+            self.peer.uid, frame.body.get("structure"), parent
+        )
+        if entry is None:
+            self.daemon.telemetry.leased("not_retained")
+            raise RequestError(
+                ErrorCode.NOT_RETAINED,
+                f"shmstaged holds no checkpoint of uid {self.peer.uid} in memory"
+                + (" of that structure" if "structure" in frame.body else "")
+                + (" in that directory" if parent is not None else ""),
+            )
+        await self._grant(frame, entry, structure=True)
+
+    async def _grant(self, frame: Frame, entry: Any, *, structure: bool) -> None:
+        staged, slot, held = entry
+        batch = _batch(frame)
+        lease = self.daemon.retention.grant(self.id, self.peer, entry, frame.body.get("seconds"))
+        body: dict[str, Any] = {
+            "lease": lease.id,
+            "seconds": lease.expires - lease.granted,
+            "job": held.job,
+            "segments": len(slot.segments),
+            "sizes": [spec.nbytes for spec in staged.layout.tensors],
+            "durable": held.durable,
+            "digest": held.digest,
+            "directory": held.directory,
+            "data_file": held.data_file,
+            "acknowledged_unix": held.acknowledged_unix,
+        }
+        if structure:
+            body.update(tensors=staged.layout.to_wire(), tree=held.tree, metadata=held.metadata)
+        log.info(
+            "%s leased job %d (uid %d, %s) for %.0f s",
+            self.describe(),
+            held.job,
+            held.uid,
+            "durable" if held.durable else "still being written",
+            body["seconds"],
+        )
+        try:
+            try:
+                await self.send("leased", frame.id, body)
+            except ValueError as exc:  # the structure does not fit one frame: nothing sent
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the checkpoint's structure is too large to send ({exc}); restore it "
+                    "by path, load(path), which reads the structure from its manifest",
+                ) from None
+            await self._send_segments(
+                frame.id, "lease_fds", {"lease": lease.id}, slot.segments, batch, writable=False
+            )
+        except segment.SegmentError as exc:
+            self.daemon.retention.end(lease)
+            raise RequestError(ErrorCode.NOT_RETAINED, str(exc)) from None
+        except BaseException:  # a refusal above, or the client gone
+            if lease.id in self.daemon.retention.leases:
+                self.daemon.retention.end(lease)
+            raise
+
+    async def _op_renew(self, frame: Frame) -> None:
+        lease = self.daemon.retention.lease_of(self.id, frame.body["lease"])
+        seconds = self.daemon.retention.renew(lease, frame.body.get("seconds"))
+        await self.send("renewed", frame.id, {"lease": lease.id, "seconds": seconds})
+
+    async def _op_unlease(self, frame: Frame) -> None:
+        """End a lease; ``held`` tells the reader whether it was still in force (if not,
+        the slot may have been refilled while it read)."""
+        lease = self.daemon.retention.leases.get(frame.body["lease"])
+        held = lease is not None and lease.session == self.id
+        if held:
+            self.daemon.retention.end(lease)  # type: ignore[arg-type]
+        await self.send("unleased", frame.id, {"lease": frame.body["lease"], "held": held})
+
+    async def _op_restored(self, frame: Frame) -> None:
+        """How a restore went (never answered): for the metrics."""
+        body = frame.body
+        self.daemon.telemetry.restored(body["source"], _finite(body["seconds"]), body["bytes"])
+
     async def job_finished(self, persist: job.PersistJob, result: job.JobResult) -> None:
         with contextlib.suppress(ConnectionError, TimeoutError, OSError):
             await self.send(
@@ -676,6 +880,28 @@ def _destination(frame: Frame) -> job.Destination:
         pending_dir=body["pending_dir"],
         final_dir=body["final_dir"],
     )
+
+
+def _batch(frame: Frame) -> int:
+    """Descriptors per message the client takes (``max_fds``), checked."""
+    batch = frame.body.get("max_fds", FDS_PER_FRAME)
+    if not 1 <= batch <= FDS_PER_FRAME:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{frame.op}.max_fds {batch} must be 1..{FDS_PER_FRAME} descriptors per message",
+        )
+    return batch
+
+
+def _readable_fd(fd: int, op: str, kind: Any, what: str) -> os.stat_result:
+    """A descriptor the client opened for reading (not O_PATH: that proves no access)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    st = os.fstat(fd)
+    if flags & getattr(os, "O_PATH", 0) or flags & os.O_ACCMODE not in (os.O_RDONLY, os.O_RDWR):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{op}: the descriptor is not open for reading")
+    if not kind(st.st_mode):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{op}: the descriptor is not {what}")
+    return st
 
 
 def _check_file_fd(name: str, fd: int, dir_fd: int) -> os.stat_result:

@@ -6,14 +6,22 @@ FILLING --cancel / client gone--> FREE
 While FILLING only the acquiring client may commit or cancel it; while PERSISTING only the
 daemon's job reads it, and no client can acquire it. This is the daemon-enforced answer to
 staging buffers being refilled while a writer still reads them.
+
+A slot also remembers the checkpoint it holds (``Held``): from the moment its commit is
+acknowledged — the bytes are complete then — until the slot is acquired again for a refill.
+Readers restoring from memory lease it (``leases``); a leased slot is never acquired, so
+what they read cannot change under them.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from shmstage.segment import SegmentRef
+
+FileId = tuple[int, int]  # (st_dev, st_ino)
 
 
 class SlotState(enum.Enum):
@@ -27,6 +35,34 @@ class SlotError(Exception):
 
 
 @dataclass
+class Held:
+    """The checkpoint a slot's bytes are, and where its files are (identities, not paths
+    the daemon would ever open)."""
+
+    job: int
+    uid: int
+    nbytes: int
+    acknowledged_unix: float
+    #: The data file (the client's temporary file, which keeps its inode under its final
+    #: name), the directory it is written in, and that directory's parent.
+    data_id: FileId
+    directory_id: FileId
+    parent_id: FileId | None
+    #: Where the daemon saw the checkpoint (for status and ``latest``; never opened).
+    directory: str
+    data_file: str
+    tree: Any
+    metadata: dict[str, Any]
+    #: Set when the job made it durable: when, and the digest of the manifest it wrote.
+    durable_unix: float | None = None
+    digest: str = ""
+
+    @property
+    def durable(self) -> bool:
+        return self.durable_unix is not None
+
+
+@dataclass
 class Slot:
     index: int
     segments: list[SegmentRef]
@@ -34,11 +70,28 @@ class Slot:
     holder: int | None = None  # session id while FILLING
     job: int | None = None  # job id while PERSISTING
     fills: int = field(default=0)
+    #: The checkpoint these bytes are, from its acknowledgement until the next acquire.
+    held: Held | None = None
+    #: Ids of the readers' leases on it; while any is left, it is not acquired.
+    leases: set[int] = field(default_factory=set)
+
+    @property
+    def leased(self) -> bool:
+        return bool(self.leases)
+
+    @property
+    def age(self) -> int:
+        """Which free slot a fill takes first: the one holding the oldest checkpoint (job
+        ids only grow), one holding nothing before any."""
+        return -1 if self.held is None else self.held.job
 
     def acquire(self, session: int) -> None:
         if self.state is not SlotState.FREE:
             raise SlotError(f"slot {self.index} is {self.state.value}")
+        if self.leases:
+            raise SlotError(f"slot {self.index} is leased by a reader")
         self.state, self.holder = SlotState.FILLING, session
+        self.held = None  # its bytes are about to change
 
     def _check_holder(self, session: int, action: str) -> None:
         if self.state is not SlotState.FILLING or self.holder != session:

@@ -94,9 +94,13 @@ class StagedLayout:
     layout: Layout
     slots: list[Slot]
     bytes_reserved: int
-    #: Whose limits it counts against.
+    #: The registering client's uid: whose limits it counts against, whose checkpoints
+    #: its slots hold.
     uid: int = -1
     released: bool = False
+    #: When its client went away and the daemon kept it for a restart (monotonic), or None
+    #: while a client owns it (``retention``).
+    retained: float | None = None
     waiters: deque[asyncio.Future[Slot]] = field(default_factory=deque)
     #: safetensors headers already built for this layout, by file metadata: with 10,000
     #: tensors building one costs tens of milliseconds that every commit would repeat.
@@ -130,6 +134,26 @@ class StagedLayout:
         return [ref.name for slot in self.slots for ref in slot.segments]
 
 
+    @property
+    def slot_bytes(self) -> int:
+        return self.bytes_reserved // max(len(self.slots), 1)
+
+    def newest(self) -> Slot | None:
+        """The slot holding the newest acknowledged checkpoint, if any holds one."""
+        holding = [slot for slot in self.slots if slot.held is not None]
+        return max(holding, key=lambda slot: slot.age, default=None)
+
+    def leased(self) -> bool:
+        return any(slot.leased for slot in self.slots)
+
+    def renumber(self) -> None:
+        """Slot numbers are positions: after slots were dropped or added, renumber them
+        (leases and jobs refer to the slot objects, never to numbers)."""
+        for index, slot in enumerate(self.slots):
+            slot.index = index
+        self.wires.clear()
+
+
 @dataclass
 class UserUsage:
     """What one uid holds across all its connections; every limit is checked against it."""
@@ -157,6 +181,8 @@ class Store:
         self.uids: dict[int, int] = {}
         self.usage: dict[int, UserUsage] = {}
         self.reserved_bytes = 0
+        #: Layouts whose client went away, kept for a restart (see ``retention``), by id.
+        self.retained: dict[int, StagedLayout] = {}
         self._layout_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
 
@@ -194,15 +220,32 @@ class Store:
 
     def reserve(self, session: int, layout: Layout, slots: int) -> int:
         """Charge a registration against the limits before any segment exists."""
-        lim = self.limits
-        if not 1 <= slots <= lim.max_slots:
-            raise StoreError(
-                ErrorCode.BAD_REQUEST, f"slots={slots}: this daemon allows 1..{lim.max_slots}"
-            )
-        usage = self.user(session)
-        # Whole pages, as tmpfs takes them; a layout without tensors still costs a page.
-        nbytes = max(sum(pages(spec.nbytes) for spec in layout.tensors), PAGE) * slots
+        self.check_slots(slots)
+        nbytes = self.registration_bytes(layout, slots)
         nsegments = len(layout.tensors) * slots
+        self._charge(session, nbytes, nsegments, nbytes, slots, layout.nbytes)
+        return nbytes
+
+    @staticmethod
+    def registration_bytes(layout: Layout, slots: int) -> int:
+        """What registering ``layout`` with ``slots`` slots takes: whole pages, as tmpfs
+        takes them (a layout without tensors still costs a page)."""
+        return max(sum(pages(spec.nbytes) for spec in layout.tensors), PAGE) * slots
+
+    def check_slots(self, slots: int) -> None:
+        if not 1 <= slots <= self.limits.max_slots:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"slots={slots}: this daemon allows 1..{self.limits.max_slots}",
+            )
+
+    def _charge(
+        self, session: int, nbytes: int, nsegments: int, new_bytes: int, slots: int, size: int
+    ) -> None:
+        """Charge a layout of ``nbytes`` to a client's user, of which ``new_bytes`` are not
+        in shared memory yet (an adopted layout's are), refusing what a limit forbids."""
+        lim = self.limits
+        usage = self.user(session)
         checks = [
             ("layouts", usage.layouts + 1, lim.max_user_layouts, "max_layouts"),
             ("bytes", usage.bytes + nbytes, lim.max_user_bytes, "max_bytes"),
@@ -217,19 +260,18 @@ class Store:
                     "together); release layouts first or raise the limit in shmstaged's "
                     "configuration",
                 )
-        if self.reserved_bytes + nbytes > lim.shm_budget_bytes:
+        if self.reserved_bytes + new_bytes > lim.shm_budget_bytes:
             raise StoreError(
                 ErrorCode.SHM_EXHAUSTED,
-                f"staging {nbytes} bytes ({slots} slot(s) of {layout.nbytes}, in whole pages) "
-                f"would exceed shmstaged's shared-memory budget ({self.reserved_bytes} of "
+                f"staging {new_bytes} bytes ({slots} slot(s) of {size}, in whole pages) would "
+                f"exceed shmstaged's shared-memory budget ({self.reserved_bytes} of "
                 f"{lim.shm_budget_bytes} bytes in use); use fewer slots, release other "
                 "layouts, or raise the budget",
             )
-        self.reserved_bytes += nbytes
+        self.reserved_bytes += new_bytes
         usage.bytes += nbytes
         usage.segments += nsegments
         usage.layouts += 1
-        return nbytes
 
     def unreserve(self, uid: int, nbytes: int, nsegments: int) -> None:
         self.reserved_bytes -= nbytes
@@ -246,7 +288,13 @@ class Store:
             del self.usage[uid]
 
     def add(
-        self, session: int, layout: Layout, slots: list[list[SegmentRef]], nbytes: int
+        self,
+        session: int,
+        layout: Layout,
+        slots: list[list[SegmentRef]],
+        nbytes: int,
+        *,
+        uid: int = -1,
     ) -> StagedLayout:
         staged = StagedLayout(
             id=next(self._layout_ids),
@@ -254,7 +302,7 @@ class Store:
             layout=layout,
             slots=[Slot(i, refs) for i, refs in enumerate(slots)],
             bytes_reserved=nbytes,
-            uid=self.uids.get(session, -1),
+            uid=self.uids.get(session, uid),
         )
         self.layouts[staged.id] = staged
         self.by_session.setdefault(session, {})[staged.id] = staged
@@ -273,11 +321,13 @@ class Store:
     # -- slots -------------------------------------------------------------------
 
     def try_acquire(self, session: int, staged: StagedLayout) -> Slot | None:
-        for slot in staged.slots:
-            if slot.state is SlotState.FREE:
-                slot.acquire(session)
-                return slot
-        return None
+        """A free slot for a new fill: the one holding the oldest checkpoint, so that the
+        newest stays in memory (for a restart) as long as the layout lives. Leased slots
+        are being read and never refilled."""
+        slot = _oldest_free(staged)
+        if slot is not None:
+            slot.acquire(session)
+        return slot
 
     def slot(self, staged: StagedLayout, index: int) -> Slot:
         if not 0 <= index < len(staged.slots):
@@ -331,11 +381,14 @@ class Store:
 
     def hand_over(self, staged: StagedLayout, slot: Slot) -> None:
         """A slot just became free: the longest waiter gets it, in the loop, atomically."""
-        while staged.waiters and slot.state is SlotState.FREE and not staged.released:
+        while staged.waiters and not staged.released and staged.retained is None:
+            free = _oldest_free(staged)
+            if free is None:
+                return
             waiter = staged.waiters.popleft()
             if not waiter.done():
-                slot.acquire(staged.owner)
-                waiter.set_result(slot)
+                free.acquire(staged.owner)
+                waiter.set_result(free)
 
     # -- release -----------------------------------------------------------------
 
@@ -355,14 +408,84 @@ class Store:
         """If a released layout is idle, forget it and return its segments to unlink."""
         if not staged.released or not staged.idle() or staged.id not in self.layouts:
             return None
+        if staged.leased():  # readers still map it; collected when the last lease ends
+            return None
         del self.layouts[staged.id]
+        self._unindex(staged)
+        self.unreserve(staged.uid, staged.bytes_reserved, staged.segment_count)
+        return staged.segment_names()
+
+    # -- retention (see ``retention``) --------------------------------------------------
+
+    @property
+    def retained_bytes(self) -> int:
+        return sum(staged.bytes_reserved for staged in self.retained.values())
+
+    def retain(self, staged: StagedLayout, now: float) -> None:
+        """The client went away: keep the layout, owned by nobody, for a restart. Its
+        bytes stay in the budget; the client's usage is given back."""
+        self.mark_released(staged)
+        staged.released = False
+        staged.retained = now
+        usage = self.usage.get(staged.uid)
+        if usage is not None:
+            usage.bytes -= staged.bytes_reserved
+            usage.segments -= staged.segment_count
+            usage.layouts -= 1
+            self._forget_if_idle(staged.uid)
+        self._unindex(staged)
+        staged.owner = 0
+        self.retained[staged.id] = staged
+
+    def adopt(self, session: int, staged: StagedLayout, slots: int) -> int:
+        """A client registers the structure of a retained layout of its own: it becomes
+        the client's, charged as a registration of ``slots`` slots would be, of which only
+        the slots it lacks are new to shared memory. Returns the bytes those need."""
+        self.check_slots(slots)
+        per_slot = staged.slot_bytes
+        extra = max(slots - len(staged.slots), 0)
+        nbytes = per_slot * (len(staged.slots) + extra)
+        nsegments = len(staged.layout.tensors) * (len(staged.slots) + extra)
+        self._charge(session, nbytes, nsegments, per_slot * extra, slots, staged.layout.nbytes)
+        del self.retained[staged.id]
+        staged.owner, staged.retained = session, None
+        self.by_session.setdefault(session, {})[staged.id] = staged
+        staged.bytes_reserved += per_slot * extra
+        return per_slot * extra
+
+    def disown(self, staged: StagedLayout, nbytes: int, now: float) -> None:
+        """Undo ``adopt`` (the slots it lacked could not be made): retained again."""
+        staged.bytes_reserved -= nbytes
+        self.reserved_bytes -= nbytes
+        self.retain(staged, now)
+
+    def extend(self, staged: StagedLayout, refs: list[list[SegmentRef]]) -> None:
+        """New slots for an adopted layout (their bytes were charged by ``adopt``)."""
+        staged.slots.extend(Slot(0, slot_refs) for slot_refs in refs)
+        staged.renumber()
+
+    def drop_slot(self, staged: StagedLayout, slot: Slot) -> list[str]:
+        """Give up one slot of a retained layout; returns its segments to unlink."""
+        nbytes = staged.slot_bytes
+        staged.slots.remove(slot)
+        staged.bytes_reserved -= nbytes
+        self.reserved_bytes -= nbytes
+        staged.renumber()
+        return [ref.name for ref in slot.segments]
+
+    def evict(self, staged: StagedLayout) -> list[str]:
+        """Forget a retained layout; returns its segments to unlink."""
+        del self.retained[staged.id]
+        del self.layouts[staged.id]
+        self.reserved_bytes -= staged.bytes_reserved
+        return staged.segment_names()
+
+    def _unindex(self, staged: StagedLayout) -> None:
         own = self.by_session.get(staged.owner)
         if own is not None:
             own.pop(staged.id, None)
             if not own and staged.owner not in self.uids:  # its connection is gone too
                 del self.by_session[staged.owner]
-        self.unreserve(staged.uid, staged.bytes_reserved, staged.segment_count)
-        return staged.segment_names()
 
     def layouts_of(self, session: int) -> list[StagedLayout]:
         return list(self.by_session.get(session, {}).values())
@@ -379,3 +502,8 @@ class Store:
 
     def all_segment_names(self) -> list[str]:
         return [name for staged in self.layouts.values() for name in staged.segment_names()]
+
+
+def _oldest_free(staged: StagedLayout) -> Slot | None:
+    free = [slot for slot in staged.slots if slot.state is SlotState.FREE and not slot.leased]
+    return min(free, key=lambda slot: slot.age, default=None)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 from shmstage.metrics import BYTE_BUCKETS, SECOND_BUCKETS, Registry
+from shmstage.protocol import RESTORE_SOURCES
 
 RECENT_JOBS: Final = 64
 RECENT_ERRORS: Final = 20
@@ -65,6 +66,19 @@ class Telemetry:
         r.counter("errors_total", "Errors answered to clients or hit by jobs, by code.",
                   labelled=True)
         r.counter("registrations_total", "Layouts registered (segments created).")
+        r.counter("segments_created_total", "Shared-memory segments created for layouts.")
+        r.counter("segments_adopted_total", "Segments of retained layouts taken over by a "
+                  "registration of the same user and structure (none created for them).")
+        r.counter("retained_total", "Layouts kept in memory after their client went away.")
+        r.counter("retained_evicted_total", "Retained memory given back, by reason (ttl, "
+                  "budget, pressure, registration, adoption) and what (slot, layout).",
+                  labelled=True)
+        r.counter("leases_total", "Read leases on checkpoints in memory, by result (granted, "
+                  "refused, not_retained, expired).", labelled=True)
+        r.counter("restores_total", "Checkpoints restored, by where from (memory, files), as "
+                  "clients reported them.", labelled=True)
+        r.histogram("restore_seconds", "Time a client's restore took, by where from "
+                    "(reported by the client).", SECOND_BUCKETS)
         r.histogram("stall_seconds", "Training stall: the wall-clock time of save() on the "
                     "trainer's thread (reported by the client after save() returned).",
                     SECOND_BUCKETS)
@@ -81,11 +95,16 @@ class Telemetry:
             ("shm_reserved_bytes", "Shared memory handed out to clients."),
             ("shm_budget_bytes", "Configured shared-memory budget."),
             ("segments", "Shared-memory segments the daemon owns."),
+            ("retained_bytes", "Shared memory of layouts kept for a restart."),
+            ("retained_layouts", "Layouts kept for a restart."),
+            ("leases", "Read leases in force."),
             ("uptime_seconds", "Seconds since the daemon started."),
         ):
             r.gauge(gauge, help_)
         for result in ("ok", "failed"):
             r.inc("saves_total", 0, result=result)
+        for source in RESTORE_SOURCES:
+            r.inc("restores_total", 0, source=source)
         self.jobs: deque[FinishedJob] = deque(maxlen=RECENT_JOBS)
         self.errors: deque[RecentError] = deque(maxlen=RECENT_ERRORS)
 
@@ -106,8 +125,27 @@ class Telemetry:
             if plausible(timings.get(name)):
                 self.registry.observe(name, timings[name])
 
-    def registered(self) -> None:
+    def registered(self, created: int = 0, adopted: int = 0) -> None:
         self.registry.inc("registrations_total")
+        self.registry.inc("segments_created_total", created)
+        self.registry.inc("segments_adopted_total", adopted)
+
+    def retained(self) -> None:
+        self.registry.inc("retained_total")
+
+    def evicted(self, reason: str, what: str) -> None:
+        self.registry.inc("retained_evicted_total", reason=reason, what=what)
+
+    def leased(self, result: str) -> None:
+        self.registry.inc("leases_total", result=result)
+
+    def restored(self, source: str, seconds: float | None, nbytes: int) -> None:
+        """A client said how a restore went (``restored``): from memory or from files."""
+        if source not in RESTORE_SOURCES:
+            return
+        self.registry.inc("restores_total", source=source)
+        if plausible(seconds) and nbytes >= 0:
+            self.registry.observe("restore_seconds", float(seconds))  # type: ignore[arg-type]
 
     def job_finished(self, job: FinishedJob, code: str = "", message: str = "") -> None:
         self.jobs.append(job)

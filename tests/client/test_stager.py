@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_same
+from harness import assert_same, start_daemon
 from safetensors import safe_open
 from shmstage_client import (
     CheckpointExists,
@@ -314,7 +314,9 @@ def test_verify_cli_accepts_a_sound_checkpoint(daemon, ckpt: Path) -> None:
     assert missing.returncode == 1 and "missing" in missing.stdout
 
 
-def test_a_stager_that_vanishes_leaves_no_segments(daemon, ckpt: Path) -> None:
+def test_a_stager_that_vanishes_leaves_its_checkpoint_in_memory_until_the_ttl(
+    tmp_path: Path, ckpt: Path
+) -> None:
     code = """
 import os, sys, torch
 from shmstage_client import Stager
@@ -323,15 +325,22 @@ st.save({"w": torch.randn(4096)}, sys.argv[2]).wait(60)
 print("saved", flush=True)
 os._exit(0)  # no close(), no release: as if the trainer crashed
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "saved" in out.stdout, out.stderr
-    assert checkpoint.verify(ckpt / "c") == []
-    _wait_for(lambda: daemon.segments() == [], "segments released after the client died")
+    daemon = start_daemon(tmp_path / "d", "--retain-ttl", "10")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "saved" in out.stdout, out.stderr
+        assert checkpoint.verify(ckpt / "c") == []
+        restored = load(ckpt / "c", with_info=True, socket=daemon.socket)
+        assert restored.source == "memory"  # retained for a restart...
+        assert_same(restored.state, load(ckpt / "c", source="files"))
+        _wait_for(lambda: daemon.segments() == [], "the retention to end", timeout=30)
+    finally:  # ...for its time-to-live only
+        assert daemon.stop() == 0
 
 
 def test_daemon_shutdown_unlinks_everything(daemon, ckpt: Path) -> None:

@@ -95,9 +95,17 @@ def test_status_ls_gc_and_metrics_against_a_live_daemon_with_two_clients(
         assert job["phase"] == "writing" and job["directory"] == str(ckpt / "step-200")
         assert status["recent"]["saves"] == 1 and status["totals"]["saves"] == 1
 
+        # -- the checkpoints in memory: each layout's newest, live (owner connected).
+        memory = {c["job"]: c for c in status["memory"]["checkpoints"]}
+        assert memory[1]["directory"] == str(ckpt / "step-100") and memory[1]["durable"]
+        assert memory[2]["bytes"] == 2 << 20 and not memory[2]["durable"]
+        assert not any(c["retained"] for c in memory.values())
+
         # -- the table, and --watch with progress bars.
         table = shmstage("status", "--socket", sock).stdout
         assert "CLIENTS (2)" in table and "JOBS IN FLIGHT (1)" in table
+        assert "CHECKPOINTS IN MEMORY (2; retention 0 B of" in table
+        assert re.search(r"live, writing\s+-\s+0\s+" + re.escape(str(ckpt / "step-200")), table)
         assert str(ckpt / "step-200") in table and "50.0%" in table
         watch = shmstage("status", "--socket", sock, "--watch", "--count", "2", "--interval",
                          "0.1").stdout

@@ -66,3 +66,16 @@ def test_duplicate_keys_and_too_many_tensors_are_refused() -> None:
         Layout.of([spec(), spec()])
     with pytest.raises(LayoutError, match="limit of 1"):
         Layout.from_wire([spec().to_wire(), spec("b").to_wire()], max_tensors=1)
+
+
+def test_a_layout_digest_names_its_structure_and_nothing_else() -> None:
+    specs = [TensorSpec("w", "F32", (2, 3)), TensorSpec("b", "BF16", (3,), (6,))]
+    same = Layout.of(specs).digest()
+    assert Layout.from_wire(Layout.of(specs).to_wire(), max_tensors=10).digest() == same
+    changed = [
+        [TensorSpec("w", "F32", (3, 2)), specs[1]],
+        [specs[0], TensorSpec("b", "BF16", (3,), (9,))],  # another shard of the same tensor
+        [specs[0], TensorSpec("b", "F16", (3,), (6,))],
+        list(reversed(specs)),
+    ]
+    assert len({Layout.of(c).digest() for c in changed} | {same}) == len(changed) + 1

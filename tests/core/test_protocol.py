@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from shmstage.protocol import (
+    FD_OPS,
     MAX_DECODED_CONTAINERS,
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
@@ -339,3 +340,74 @@ def test_a_commit_may_name_a_pending_directory_and_its_final_name() -> None:
     }
     daemon.receive_data(client.send("commit", 2, body))
     assert daemon.next_frame().body["final_dir"] == "step-100"
+
+
+def test_a_lease_names_a_checkpoint_by_digest_and_brings_its_data_file() -> None:
+    client, daemon = greeted_daemon_side()
+    r, w = os.pipe()
+    daemon.receive_data(client.send("lease", 2, {"digest": "ab" * 32}, nfds=1), [r])
+    frame = daemon.next_frame()
+    assert (frame.op, frame.body, frame.fds) == ("lease", {"digest": "ab" * 32}, (r,))
+    daemon.receive_data(client.send("lease", 3, {"digest": "cd", "seconds": 5, "max_fds": 8}))
+    assert daemon.next_frame().body == {"digest": "cd", "seconds": 5, "max_fds": 8}
+    daemon.receive_data(client.send("lease", 4, {"seconds": 5}))
+    with pytest.raises(ProtocolError, match="lacks field 'digest'"):
+        daemon.next_frame()
+    os.close(r)
+    os.close(w)
+
+
+def test_latest_renew_unlease_and_restored_are_client_ops() -> None:
+    client, daemon = greeted_daemon_side()
+    for op, body in [
+        ("latest", {}),
+        ("latest", {"structure": "ff" * 32, "seconds": 1.5, "max_fds": 253}),
+        ("renew", {"lease": 3}),
+        ("renew", {"lease": 3, "seconds": 10}),
+        ("unlease", {"lease": 3}),
+        ("restored", {"source": "memory", "seconds": 0.1, "bytes": 4096}),
+    ]:
+        daemon.receive_data(client.send(op, 2, body))
+        frame = daemon.next_frame()
+        assert (frame.op, frame.body) == (op, body)
+    daemon.receive_data(client.send("unlease", 9, {"lease": "one"}))
+    with pytest.raises(ProtocolError, match=r"unlease\.lease must be int"):
+        daemon.next_frame()
+
+
+def test_only_commit_lease_and_latest_carry_descriptors() -> None:
+    assert set(FD_OPS) == {"commit", "lease", "latest"}
+    assert FD_OPS["lease"] == (1, 1) and FD_OPS["latest"] == (0, 1)
+
+
+def test_the_daemon_answers_a_lease_with_its_segments_and_the_structure_for_latest() -> None:
+    daemon, client = Connection(Role.DAEMON), Connection(Role.CLIENT)
+    client.receive_data(daemon.send("welcome", 1, {"version": 1, "daemon": "d", "instance": "i",
+                                                   "limits": {}}))
+    assert client.next_frame().op == "welcome"
+    leased = {
+        "lease": 1,
+        "seconds": 60.0,
+        "job": 7,
+        "segments": 2,
+        "sizes": [4, 0],
+        "durable": False,
+        "digest": "",
+        "directory": "/ckpt/step-7",
+        "data_file": "model.safetensors",
+        "acknowledged_unix": 1.5,
+    }
+    structure = {"tensors": [["w", "F32", [1], None]], "tree": {"T": "w"}, "metadata": {}}
+    for body in (leased, {**leased, **structure}):
+        client.receive_data(daemon.send("leased", 2, body))
+        assert client.next_frame().body == body
+    for op, body in [
+        ("lease_fds", {"lease": 1, "first": 0}),
+        ("renewed", {"lease": 1, "seconds": 30.0}),
+        ("unleased", {"lease": 1, "held": False}),
+        ("registered", {"layout": 1, "slots": 2, "segments": 2, "adopted": 2}),
+        ("acquired", {"layout": 1, "slot": 0, "waited": 0.5, "leased": True}),
+    ]:
+        client.receive_data(daemon.send(op, 3, body))
+        assert client.next_frame().body == body
+    assert ErrorCode("not_retained") is ErrorCode.NOT_RETAINED

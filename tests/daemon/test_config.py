@@ -198,7 +198,10 @@ def test_unknown_key_is_named_with_its_table_and_the_allowed_keys(tmp_path: Path
 
 def test_unknown_table_and_top_level_keys_are_rejected(tmp_path: Path) -> None:
     message = rejection(tmp_path, 'writer_threads = 4\n[storge]\nfsync = "never"\n')
-    assert "unknown table [writer_threads] (allowed: server, limits, storage, log)" in message
+    assert (
+        "unknown table [writer_threads] (allowed: server, limits, storage, retention, log)"
+        in message
+    )
     assert "unknown table [storge]" in message
     assert "did you mean storage?" in message
 
@@ -333,6 +336,7 @@ def test_command_line_overrides_are_validated_like_the_file(tmp_path: Path) -> N
         "shm_budget": ("1MiB", "2MiB"),
         "log_level": ("info", "debug"),
         "shm_budget_bytes": (1 << 20, 2 << 20),
+        "retain_budget_bytes": (1 << 19, 1 << 20),  # half the budget, by default
     }
     with pytest.raises(ConfigError) as info:
         base.replace(writer_threads=0, fsync="sometimes")
@@ -448,13 +452,15 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
     defaults = Config()
     table_keys = {
         "server": ["socket_path", "allowed_users", "allowed_groups", "operator_groups",
-                   "shutdown_timeout",
-                   "metrics_port", "journal_dir", "allow_disk_journal"],
+                   "shutdown_timeout", "metrics_port", "journal_dir", "allow_disk_journal",
+                   "restore_groups"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "max_connections", "max_prepared", "max_journal_bytes", "max_buffered_bytes",
                    "default_slots"],
         "storage": ["writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io",
                     "fsync"],
+        "retention": ["ttl", "budget", "min_free", "lease_seconds", "max_lease_seconds",
+                      "max_leases"],
         "log": ["level", "format"],
     }
     for table, keys in table_keys.items():
@@ -467,10 +473,14 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
             if (table, key) in PACKAGED_SETTINGS:
                 continue
             field = f"log_{key}" if table == "log" else key
+            if table == "retention" and key in ("ttl", "budget", "min_free"):
+                field = f"retain_{key}"
             if isinstance(value, str) and isinstance(getattr(defaults, field), int):
                 value = parse_size(value)  # a size written with its unit
             if field == "allowed_users":
                 assert value == [] and defaults.allowed_users == {os.getuid(), 0}
+            elif field == "restore_groups":
+                assert value == [] and defaults.restore_groups == frozenset()
             elif isinstance(getattr(defaults, field), Path):
                 assert getattr(defaults, field) == Path(value), f"[{table}] {key}"
             elif isinstance(getattr(defaults, field), frozenset):
@@ -488,3 +498,41 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
         path = write(tmp_path, text.replace('["shmstage"]', f'["{stand_in}"]'))
     config = load_config(path)
     assert config.socket_path == paths.SYSTEM_SOCKET
+
+
+# ------------------------------------------------------------------------------ retention
+
+
+def test_retention_defaults_resolve_against_the_budgets() -> None:
+    config = Config(shm_budget=1 << 20)
+    assert (config.retain_ttl, config.lease_seconds, config.max_lease_seconds) == (1800, 60, 600)
+    assert config.retain_budget_bytes == 1 << 19  # half the shared-memory budget
+    assert config.retain_min_free_bytes == int(measure_shm().shm_total * 0.10)
+    assert config.restore_groups == frozenset() and config.max_leases == 64
+
+
+def test_retention_keys_are_read_and_checked(tmp_path: Path) -> None:
+    config = load_config(
+        write(
+            tmp_path,
+            '[limits]\nshm_budget = "1MiB"\n[server]\nrestore_groups = [0]\n'
+            '[retention]\nttl = 0\nbudget = "256KiB"\nmin_free = 4096\nlease_seconds = 2\n'
+            "max_lease_seconds = 3\nmax_leases = 5\n",
+        )
+    )
+    assert (config.retain_ttl, config.retain_budget_bytes, config.retain_min_free_bytes) == (
+        0,
+        256 << 10,
+        4096,
+    )
+    assert config.restore_groups == frozenset({0}) and config.max_leases == 5
+    assert "lease_seconds = 0: expected a finite number of seconds > 0" in rejection(
+        tmp_path, "[retention]\nlease_seconds = 0\n"
+    )
+    assert "must not exceed [retention] max_lease_seconds (5)" in rejection(
+        tmp_path, "[retention]\nlease_seconds = 10\nmax_lease_seconds = 5\n"
+    )
+    assert "unknown key [retention] tll" in rejection(tmp_path, "[retention]\ntll = 5\n")
+    text = '[limits]\nshm_budget = "1MiB"\n[retention]\nbudget = "2MiB"\n'
+    over = load_config(write(tmp_path, text))
+    assert over.retain_budget_bytes == 1 << 20 and "limited by it" in over.warnings[0]

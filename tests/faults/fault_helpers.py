@@ -160,10 +160,13 @@ os.setgroups([]); os.setgid({gid}); os.setuid({uid})
 """
 
 
-def admitting_nobody(daemons: Callable[..., RunningDaemon], world: Path, *extra: str, **kw: object):
-    """A daemon whose allowlist has ``nobody`` and whose socket ``nobody`` can reach."""
+def admitting_nobody(
+    daemons: Callable[..., RunningDaemon], world: Path, *extra: str, server: str = "", **kw: object
+):
+    """A daemon whose allowlist has ``nobody`` and whose socket ``nobody`` can reach;
+    ``server``: more lines for its ``[server]`` table."""
     config = world / "shmstaged.toml"
-    config.write_text('[server]\nallowed_users = ["nobody"]\n')
+    config.write_text(f'[server]\nallowed_users = ["nobody"]\n{server}\n')
     running = daemons("--config", str(config), *extra, where=world / "d", **kw)
     (world / "d").chmod(0o755)
     running.socket.chmod(0o666)

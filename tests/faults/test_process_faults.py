@@ -26,6 +26,7 @@ from fault_helpers import (
     assert_checkpoint_equals,
     assert_not_published,
     assert_not_torn,
+    assert_same_state,
     instance_clean,
     journal_entries,
     kill,
@@ -36,7 +37,7 @@ from fault_helpers import (
     start_trainer,
 )
 from harness import wait_for
-from shmstage_client import SaveError, Stager
+from shmstage_client import SaveError, Stager, load
 
 from shmstage import checkpoint, names, segment
 from shmstage.manifest import MANIFEST_NAME
@@ -85,7 +86,7 @@ def test_a_trainer_killed_after_commit_still_gets_its_checkpoint(
     wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 30, "the checkpoint")
     assert_checkpoint_equals(tmp_path / "victim", make_state(2))  # not the -1s written after
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(2))
-    wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
+    assert_retained(daemon, tmp_path / "victim", make_state(2))
     assert journal_entries(daemon) == []
 
 
@@ -101,9 +102,18 @@ def test_a_trainer_killed_while_waiting_for_a_slot(daemons, tmp_path: Path) -> N
     wait_for(lambda: checkpoint.is_complete(tmp_path / "victim"), 30, "the first checkpoint")
     assert_checkpoint_equals(tmp_path / "victim", make_state(3))
     assert_not_published(tmp_path / "victim2")
-    wait_for(lambda: daemon.segments() == [], 10, "the dead trainer's segments to go")
+    assert_retained(daemon, tmp_path / "victim", make_state(3))
     with Stager(daemon.socket) as stager:
         stager.save(single_tensor_state(4), tmp_path / "after").wait(60)
+
+
+def assert_retained(daemon, path: Path, state: object) -> None:
+    """The dead trainer's layout is kept for a restart (``retention``), holding its newest
+    checkpoint: restorable from memory, bit-exact; its TTL and budget bound it (see
+    ``test_restore_faults``)."""
+    restored = load(path, with_info=True, socket=daemon.socket)
+    assert restored.source == "memory", restored.reason
+    assert_same_state(restored.state, state)
 
 
 # -- the daemon dies -------------------------------------------------------------------

@@ -7,6 +7,8 @@ survive), then ``ROOT/victim`` from ``make_state(SEED)`` and stops at MODE's mom
 a marker line the test waits for before it kills this process:
 
 - ``copy``: inside the copy into shared memory, after the first tensor (``COPYING``);
+- ``steps``: as training does, ``ROOT/step-1`` of the same structure first (waited for,
+  ``STEP-1``), then as ``copy``;
 - ``commit``: right after ``save()`` returned, tensors already overwritten (``COMMITTED``);
 - ``wait``: blocked in ``handle.wait()`` (``WAITING``);
 - ``slot-wait``: with one slot, blocked acquiring it for ``ROOT/victim2`` while ``victim``
@@ -34,6 +36,10 @@ def main() -> None:
     stager._spares.ready(60)  # the victim takes the spare: no other pending directory is left
     say("BASE")
     state = make_state(seed)
+    if mode == "steps":
+        stager.save(make_state(seed + 1), root / "step-1").wait(60)
+        say("STEP-1")
+        mode = "copy"
     if mode == "copy":
         copier = stager._copier  # the test hook: stall inside the copy, half done
         copy = copier.copy

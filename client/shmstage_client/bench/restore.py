@@ -2,24 +2,22 @@
 
 Rows, all on the same bytes in the same run: the raw pinned host-to-device copy (the
 limit), the disk's read limit (aligned O_DIRECT parallel reads of the checkpoint's files),
-``load(path, device=...)`` from the files with a cold page cache and with a warm one, from
-the daemon's memory where the client can (issue 15), and the restart itself: a trainer
-process saves, its checkpoint is acknowledged and durable, it is SIGKILLed, and a new
-process restores it to the device — timed, and compared bit for bit with the state.
-
-Issue 15's API does not exist yet; the bench probes for it (a ``source=`` keyword of
-``load`` or a ``shmstage_client.latest`` function) and reports "not supported by this
-client" otherwise. When it lands, check that ``_memory_restorer`` calls it as built.
+``load(path, device=..., source="files")`` with a cold page cache and with a warm one,
+``load(..., source="memory")`` from the daemon's memory (the trainer still connected), and
+the restart itself: a trainer process saves, its checkpoint is acknowledged and durable, it
+is SIGKILLed, and a new process restores it with ``latest(device=...)`` — no path given —
+timed, compared bit for bit with the state, and saved once more: that first save of the
+restarted trainer adopts the segments the daemon retained (``segments_created`` 0, from
+the daemon's counters). Every row says where its restore came from (``source``).
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,8 +34,6 @@ from .report import Column, Table, ratio
 from .saves import first_difference
 from .session import BenchSession
 from .synthetic import SyntheticSpec
-
-UNSUPPORTED = "not supported by this client"
 
 
 @dataclass(frozen=True)
@@ -56,43 +52,23 @@ class RestoreJob:
         return self.root / "checkpoint"
 
 
-def _load_params() -> Mapping[str, inspect.Parameter]:
+def _load(job: RestoreJob, device: torch.device, source: str) -> Any:
+    """``load`` of the bench's checkpoint from ``source``, with where it came from."""
     from shmstage_client import load
 
-    return inspect.signature(load).parameters
+    return load(job.checkpoint, device=device, source=source, with_info=True, socket=job.socket)
 
 
-def _files_kwargs() -> dict[str, Any]:
-    """Force the files where ``load`` can also read from the daemon's memory."""
-    return {"source": "files"} if "source" in _load_params() else {}
+def _segments_created(socket: str) -> float | None:
+    """The daemon's count of segments it ever created (to see a first save adopt)."""
+    from shmstage.control import ControlClient, ControlError
 
-
-def _memory_restorer() -> tuple[Callable[[Path, torch.device], Any] | None, str]:
-    """Issue 15's restore from the daemon's memory, if this client has it; else why not."""
-    import shmstage_client
-
-    if "source" in _load_params():
-        return (
-            lambda path, device: shmstage_client.load(path, device=device, source="memory"),
-            "load(path, device=..., source='memory')",
-        )
-    latest = getattr(shmstage_client, "latest", None)
-    if callable(latest):
-        return lambda path, device: latest(device=device), "latest(device=...)"
-    return None, (
-        f"{UNSUPPORTED}: neither load(..., source=) nor shmstage_client.latest (issue 15)"
-    )
-
-
-def _state_of(restored: Any) -> Any:
-    """The state dict inside whatever a restore returned (a mapping, or a result object)."""
-    if isinstance(restored, Mapping):
-        return restored
-    for attr in ("state_dict", "state"):
-        inner = getattr(restored, attr, None)
-        if isinstance(inner, Mapping):
-            return inner
-    return restored
+    try:
+        with ControlClient(socket) as client:
+            series = client.metrics()["shmstage_segments_created_total"]["series"]
+    except (ControlError, KeyError):
+        return None
+    return float(series[0][1]) if series else None
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
@@ -109,19 +85,20 @@ def _drop(job: RestoreJob, files: list[Path]) -> str:
     return drop_file_cache(files, system_wide=job.drop == "auto" and os.geteuid() == 0)
 
 
-def _restore_row(
-    seconds: float, restored: Any, expected: Any, note: str, source: str
-) -> dict[str, Any]:
-    """A restore's row; ``source``: where the bench asked for it ("files"), or "unknown"
-    when the restore may fall back silently and its result does not say."""
-    state = _state_of(restored)
-    mismatch = first_difference(state, expected)
+def _restore_row(seconds: float, restored: Any, expected: Any, note: str) -> dict[str, Any]:
+    """A restore's row: its time (the bench's, synchronized), exactness, and where the
+    restore says it came from (with why not from memory, when it fell back)."""
+    mismatch = first_difference(restored.state, expected)
+    fell_back = restored.source == "files" and restored.reason != "source='files'"
+    why = f"files because: {restored.reason}" if fell_back else ""
     return {
         "status": "ok",
         "seconds": seconds,
+        "restore_seconds": restored.seconds,
         "bit_exact": not mismatch,
-        "note": "; ".join(filter(None, [note, mismatch])),
-        "source": getattr(restored, "source", None) or source,
+        "verified": restored.verified,
+        "note": "; ".join(filter(None, [note, why, mismatch])),
+        "source": restored.source,
     }
 
 
@@ -131,8 +108,6 @@ def _files(path: Path) -> list[Path]:
 
 def measure(job: RestoreJob) -> dict[str, dict[str, Any]]:
     """In its own process: save once, then every restore path from limit to memory."""
-    from shmstage_client import load
-
     device = torch.device(job.spec.device)
     state = job.spec.build()
     tensors = list(state.values())
@@ -165,22 +140,16 @@ def measure(job: RestoreJob) -> dict[str, dict[str, Any]]:
             rows["disk-read-direct"] = {"status": "skipped", "note": str(exc.strerror)}
 
         how = _drop(job, files)
-        kwargs = _files_kwargs()
         for name, note in (("load-cold", how), ("load-warm", "right after the cold load")):
-            seconds, out = _timed(lambda: load(job.checkpoint, device=device, **kwargs), device)
-            rows[name] = _restore_row(seconds, out, state, note, "files")
+            seconds, out = _timed(lambda: _load(job, device, "files"), device)
+            rows[name] = _restore_row(seconds, out, state, note)
             del out
-
-        restorer, how_memory = _memory_restorer()
-        if restorer is None:
-            rows["load-memory"] = {"status": "error", "error": how_memory}
-        else:
-            try:
-                seconds, out = _timed(lambda: restorer(job.checkpoint, device), device)
-                rows["load-memory"] = _restore_row(seconds, out, state, how_memory, "unknown")
-                del out
-            except Exception as exc:
-                rows["load-memory"] = {"status": "error", "error": describe_exception(exc)}
+        try:
+            seconds, out = _timed(lambda: _load(job, device, "memory"), device)
+            rows["load-memory"] = _restore_row(seconds, out, state, "load(source='memory')")
+            del out
+        except Exception as exc:
+            rows["load-memory"] = {"status": "error", "error": describe_exception(exc)}
     shutil.rmtree(job.checkpoint, ignore_errors=True)
     return rows
 
@@ -199,23 +168,28 @@ def restart_trainer(job: RestoreJob) -> None:
 
 
 def restart_restore(job: RestoreJob) -> dict[str, Any]:
-    """The new process: restore the killed trainer's checkpoint to the device, check it."""
-    from shmstage_client import load
+    """The new process: restore the killed trainer's newest checkpoint to the device with
+    ``latest()`` (no path), check it, then save it once as the restarted trainer would."""
+    from shmstage_client import latest
 
     device = torch.device(job.spec.device)
     if device.type == "cuda":
         torch.cuda.init()  # the CUDA context is any restart's cost, not the restore's
         torch.empty(1, device=device)
-    restorer, how = _memory_restorer()
-    if restorer is not None:
-        seconds, out = _timed(lambda: restorer(job.checkpoint, device), device)
-        via, source = how, "unknown"
-    else:
-        via = f"{_drop(job, _files(job.checkpoint))} ({how})"
-        kwargs = _files_kwargs()
-        seconds, out = _timed(lambda: load(job.checkpoint, device=device, **kwargs), device)
-        source = "files"
-    return _restore_row(seconds, out, job.spec.build(), via, source)
+    seconds, out = _timed(lambda: latest(device=device, socket=job.socket), device)
+    row = _restore_row(seconds, out, job.spec.build(), "latest(device=...)")
+    row["path_matches"] = out.path is not None and out.path.name == job.checkpoint.name
+    created = _segments_created(job.socket)
+    with import_stager()(socket=job.socket, slots=job.slots) as stager:
+        t0 = time.perf_counter()
+        handle = stager.save(out.state, str(job.root / "after-restart"))
+        row["first_save_stall_s"] = time.perf_counter() - t0
+        handle.wait(timeout=job.wait_timeout)
+    after = _segments_created(job.socket)
+    if created is not None and after is not None:
+        row["segments_created"] = int(after - created)
+    shutil.rmtree(job.root / "after-restart", ignore_errors=True)
+    return row
 
 
 def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, Any]:
@@ -253,7 +227,7 @@ ROW_NAMES = {
     "load-cold": "load() from files, cold cache",
     "load-warm": "load() from files, warm cache",
     "load-memory": "load() from daemon memory",
-    "restart": "restart: restore after SIGKILL",
+    "restart": "restart: latest() after SIGKILL",
 }
 
 
@@ -321,4 +295,11 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         "÷h2d: ÷ the raw pinned host-to-device copy; ÷disk: ÷ the O_DIRECT read of the "
         "checkpoint's files; ÷cold: ÷ load() from the files with a cold page cache.",
     ]
+    restart = rows.get("restart", {})
+    if restart.get("status") == "ok":
+        notes.append(
+            f"restart: the restarted trainer's first save stalled "
+            f"{restart.get('first_save_stall_s', float('nan')):.3f} s and created "
+            f"{restart.get('segments_created')} segment(s) (0: it adopted the retained ones)"
+        )
     return config, [table], notes

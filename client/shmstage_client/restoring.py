@@ -1,0 +1,375 @@
+"""Restoring a checkpoint: from the daemon's memory when it can, from its files otherwise.
+
+A trainer that died while its node and daemon lived on left its newest checkpoint in a
+staging slot (``shmstaged``'s retention). ``restore(path)`` (and ``load``) first asks the
+daemon whether it holds exactly that checkpoint — it passes the data file it opened and
+the digest of the manifest it read, so the daemon compares identities and never resolves
+a path — and if so reads the slot's segments through a read-only lease at memory speed.
+``latest()`` needs no path: the daemon names the caller's newest acknowledged checkpoint,
+which it restores even while it is still being written (the slot's bytes are complete
+once the save was acknowledged; it has no checksums yet, so ``verified`` is False).
+
+Anything else — no daemon, another node, given back, a changed file, a checksum that fails
+in memory, a lease that expired — falls back to the files without a word, and the result
+says where it came from (``Restored.source``) and why (``Restored.reason``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from shmstage import listing
+from shmstage.checkpoint import CheckpointError
+from shmstage.layout import Layout, LayoutError
+from shmstage.manifest import digest
+from shmstage_client.connection import DaemonConnection
+from shmstage_client.errors import SaveError
+from shmstage_client.lease import MemoryLease
+from shmstage_client.loading import CheckpointFiles, torch_dtype, unflatten
+from shmstage_client.reading import MappedSource, Placement, transfer
+
+log = logging.getLogger("shmstage.client")
+
+SOURCES: Final = ("auto", "memory", "files")
+#: A daemon that does not answer this fast is not worth waiting for: the files are there.
+CONNECT_TIMEOUT: Final = 2.0
+
+
+@dataclass
+class Restored:
+    """A restored checkpoint and how it came back."""
+
+    state: Any
+    #: "memory" (the daemon's staging slot) or "files".
+    source: str
+    #: The checkpoint's directory (for ``latest``, as the daemon saw it).
+    path: Path | None
+    #: Wall-clock seconds of the whole restore, device copies included.
+    seconds: float
+    #: Tensor bytes moved.
+    bytes: int
+    #: Every tensor was checked against a recorded checksum.
+    verified: bool
+    #: The checkpoint is complete on disk (False: restored while still being written).
+    durable: bool
+    metadata: dict[str, Any] = field(default_factory=dict)
+    #: The daemon's job id of the save (from memory).
+    job: int | None = None
+    #: Why not from memory, when from the files.
+    reason: str = ""
+
+
+class NotInMemory(Exception):
+    """Why the daemon's memory cannot serve this restore; ``path``: the files to read
+    instead, where known."""
+
+    def __init__(self, why: str, path: Path | None = None) -> None:
+        super().__init__(why)
+        self.path = path
+
+
+#: What makes a restore from memory give way to the files.
+FALLBACK = (SaveError, CheckpointError, OSError, ValueError, LayoutError)
+
+
+def restore(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    *,
+    source: str = "auto",
+    verify: bool = True,
+    socket: str | os.PathLike[str] | None = None,
+) -> Restored:
+    """The checkpoint at ``path`` on ``device`` (see ``load``, which returns its state)."""
+    check_source(source)
+    device = torch.device(device)
+    started = time.perf_counter()
+    connection: DaemonConnection | None = None
+    reason = "source='files'"
+    try:
+        with CheckpointFiles(path) as files:
+            if source != "files":
+                try:
+                    connection = connect(socket)
+                    state, nbytes, job = _exact(connection, files, device, verify)
+                    return _report(
+                        connection,
+                        started,
+                        Restored(
+                            state, "memory", files.path, 0.0, nbytes, verify, True,
+                            files.manifest.metadata, job,
+                        ),
+                    )
+                except FALLBACK as exc:
+                    reason = _why(exc)
+                    if source == "memory":
+                        raise CheckpointError(
+                            f"{path}: cannot restore from shmstaged's memory: {reason}"
+                        ) from None
+                    log.debug("restoring %s from its files: %s", path, reason)
+            tensors, nbytes = files.read(device, verify=verify)
+            state = files.state(tensors)
+            return _report(
+                connection,
+                started,
+                Restored(
+                    state, "files", files.path, 0.0, nbytes, verify, True,
+                    files.manifest.metadata, reason=reason,
+                ),
+            )
+    finally:
+        if connection is not None:
+            connection.close()
+
+
+def latest(
+    device: str | torch.device = "cpu",
+    *,
+    under: str | os.PathLike[str] | None = None,
+    like: Any = None,
+    verify: bool = True,
+    source: str = "auto",
+    socket: str | os.PathLike[str] | None = None,
+) -> Restored:
+    """This user's newest acknowledged checkpoint, restored to ``device``.
+
+    The daemon knows it, so a restart script lists no directories: from memory (even
+    while it is still being written), else from its files. ``under``: only checkpoints
+    whose directory is in this one (e.g. ``/ckpt/run7`` for ``/ckpt/run7/step-500``) —
+    also where to look, newest complete first, when no daemon can answer. ``like``: only
+    checkpoints of this state dict's structure (keys, dtypes, shapes), e.g. the fresh
+    model's ``state_dict()``. With several trainers of one user on a node, pass one of
+    them, or ``load`` each trainer's own path.
+    """
+    check_source(source)
+    device = torch.device(device)
+    started = time.perf_counter()
+    connection: DaemonConnection | None = None
+    reason, hint = "source='files'", None
+    try:
+        if source != "files":
+            try:
+                connection = connect(socket)
+                restored = _latest(connection, device, verify, like, under)
+                return _report(connection, started, restored)
+            except NotInMemory as exc:
+                reason, hint = str(exc), exc.path
+            except FALLBACK as exc:
+                reason = _why(exc)
+            if source == "memory":
+                raise CheckpointError(f"cannot restore from shmstaged's memory: {reason}")
+        path = hint if hint is not None else _newest_under(under, reason)
+        with CheckpointFiles(path) as files:
+            tensors, nbytes = files.read(device, verify=verify)
+            return _report(
+                connection,
+                started,
+                Restored(
+                    files.state(tensors), "files", files.path, 0.0, nbytes, verify, True,
+                    files.manifest.metadata, reason=reason,
+                ),
+            )
+    finally:
+        if connection is not None:
+            connection.close()
+
+
+def check_source(source: str) -> None:
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r}: use one of {', '.join(SOURCES)}")
+
+
+def connect(socket: str | os.PathLike[str] | None) -> DaemonConnection:
+    return DaemonConnection(
+        socket, connect_timeout=CONNECT_TIMEOUT, client_name=f"shmstage-restore pid {os.getpid()}"
+    )
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _report(
+    connection: DaemonConnection | None, started: float, restored: Restored
+) -> Restored:
+    """Finish the timing, and tell the daemon (its metrics count memory against files)."""
+    restored.seconds = time.perf_counter() - started
+    if connection is not None and connection.alive:
+        try:
+            connection.post(
+                "restored",
+                {"source": restored.source, "seconds": restored.seconds, "bytes": restored.bytes},
+            )
+        except (SaveError, OSError):
+            pass
+    return restored
+
+
+def _exact(
+    connection: DaemonConnection, files: CheckpointFiles, device: torch.device, verify: bool
+) -> tuple[Any, int, int]:
+    """The checkpoint whose manifest ``files`` read, from the daemon's memory."""
+    names = list(files.manifest.files)
+    if len(names) != 1:
+        raise NotInMemory(f"{len(names)} data files; the daemon holds single-file checkpoints")
+    lease = lease_exact(connection, files, names[0])
+    try:
+        tensors = _read(lease, specs_of(files, names[0]), device, verify)
+    finally:
+        lease.close()
+    return files.state(tensors), sum(lease.sizes), lease.body["job"]
+
+
+def lease_exact(connection: DaemonConnection, files: CheckpointFiles, name: str) -> MemoryLease:
+    """Lease the checkpoint ``files`` opened, by its data file ``name`` (the descriptor
+    proves this process may read it) and its manifest's digest."""
+    fd, _ = files.open_data(name)
+    try:
+        return MemoryLease.take(connection, "lease", {"digest": digest(files.document)}, [fd])
+    finally:
+        os.close(fd)
+
+
+Spec = tuple[str, torch.dtype, tuple[int, ...], "int | None"]
+
+
+def specs_of(files: CheckpointFiles, name: str) -> list[Spec]:
+    """Key, dtype, shape and checksum of each tensor of a data file, in its order."""
+    return [(r.key, torch_dtype(r.key, r.dtype), r.shape, r.crc32c) for r in files.records(name)]
+
+
+def placements_of(lease: MemoryLease, specs: list[Spec]) -> list[Placement]:
+    """Where each tensor is in a leased slot's mapped range (one segment each, in order)."""
+    if [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in specs] != lease.sizes:
+        raise NotInMemory("the daemon's segments do not match the checkpoint's tensors")
+    return [
+        Placement(key, dtype, shape, offset, size, crc)
+        for (key, dtype, shape, crc), offset, size in zip(
+            specs, lease.offsets(), lease.sizes, strict=True
+        )
+    ]
+
+
+def _read(
+    lease: MemoryLease, specs: list[Spec], device: torch.device, verify: bool
+) -> dict[str, torch.Tensor]:
+    """Copy a leased slot's tensors to ``device``, verified, and end the lease; raises
+    NotInMemory when the lease expired before the copy was done (it may be torn)."""
+    placements = placements_of(lease, specs)
+    where = f"shmstaged's memory (job {lease.body['job']}, {lease.body['directory']})"
+    tensors = transfer(
+        MappedSource(lease.address, lease.region.size, where), placements, device, verify=verify
+    )
+    if not lease.end():
+        raise NotInMemory("the lease on the daemon's memory expired before the copy was done")
+    return tensors
+
+
+def _latest(
+    connection: DaemonConnection,
+    device: torch.device,
+    verify: bool,
+    like: Any,
+    under: str | os.PathLike[str] | None,
+) -> Restored:
+    body: dict[str, Any] = {}
+    if like is not None:
+        body["structure"] = _structure(like)
+    fds = []
+    if under is not None:
+        try:
+            fds.append(os.open(under, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        except OSError as exc:
+            raise CheckpointError(f"latest(under={str(under)!r}): {exc.strerror}") from None
+    try:
+        lease = MemoryLease.take(connection, "latest", body, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        info = lease.body
+        directory = Path(info["directory"])
+        durable = info["durable"]
+        if durable:
+            encoded, metadata, specs = _durable_structure(directory, info)
+        else:  # still being written: no manifest, no checksums yet
+            encoded, metadata = info.get("tree"), info.get("metadata") or {}
+            layout = Layout.from_wire(info.get("tensors"), max_tensors=1 << 30)
+            specs = [
+                (spec.key, torch_dtype(spec.key, spec.dtype), spec.shape, None)
+                for spec in layout.tensors
+            ]
+        tensors = _read(lease, specs, device, verify)
+    except NotInMemory as exc:
+        exc.path = exc.path or _files_of(lease)
+        raise
+    except FALLBACK as exc:  # e.g. a checksum that failed in memory: the files may not
+        raise NotInMemory(_why(exc), _files_of(lease)) from None
+    finally:
+        lease.close()
+    return Restored(
+        unflatten(encoded, tensors, directory),
+        "memory",
+        directory,
+        0.0,
+        sum(lease.sizes),
+        verify and durable,
+        durable,
+        metadata,
+        info["job"],
+    )
+
+
+def _files_of(lease: MemoryLease) -> Path | None:
+    """Where a leased checkpoint's files are, if it has any yet."""
+    return Path(lease.body["directory"]) if lease.body["durable"] else None
+
+
+def _durable_structure(
+    directory: Path, info: dict[str, Any]
+) -> tuple[Any, dict[str, Any], list[Spec]]:
+    """The structure and checksums from the checkpoint's own manifest on disk, which must
+    be the one the daemon wrote (same digest)."""
+    try:
+        files = CheckpointFiles(directory)
+    except CheckpointError as exc:
+        raise NotInMemory(f"its manifest cannot be read to check it: {exc}", directory) from None
+    with files:
+        if digest(files.document) != info["digest"]:
+            raise NotInMemory(
+                f"{directory} no longer holds the checkpoint in memory (its manifest changed)",
+                directory,
+            )
+        return files.manifest.tree, files.manifest.metadata, specs_of(files, info["data_file"])
+
+
+def _structure(like: Any) -> str:
+    """The digest of a state dict's layout, as the daemon computes it for a registration."""
+    from shmstage_client.prepared import Prepared
+
+    return Prepared.of(like, None).layout().digest()
+
+
+def _newest_under(under: str | os.PathLike[str] | None, reason: str) -> Path:
+    """Without the daemon: the newest complete checkpoint directly in ``under``."""
+    if under is None:
+        raise CheckpointError(
+            f"no checkpoint to restore: {reason}; pass under= (the directory holding the "
+            "checkpoints) to look there, or load(path)"
+        )
+    complete = [
+        info
+        for info in listing.scan(Path(under), max_depth=1)
+        if info.state == listing.COMPLETE and info.path != Path(under)
+    ]
+    if not complete:
+        raise CheckpointError(f"no complete checkpoint in {under} ({reason})")
+    return max(complete, key=lambda info: (info.committed_unix or 0.0, str(info.path))).path

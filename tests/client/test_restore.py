@@ -1,0 +1,244 @@
+"""Restoring: from the daemon's memory when it holds exactly the checkpoint, else the files.
+
+Real daemons, real checkpoints, real files changed under the daemon's feet; the transfer
+engine (``reading``) on real files and mappings, with chunks smaller than the tensors so
+that every checksum is combined from parts computed on several threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from harness import assert_same
+from shmstage_client import CheckpointError, ChecksumError, Stager, latest, load, reading, restore
+from shmstage_client.dcp import ShmStageReader, ShmStageWriter
+from shmstage_client.reading import FileSource, MappedSource, Placement, transfer
+
+from shmstage.manifest import MANIFEST_NAME
+
+
+def state(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300, 7, generator=gen),
+        "flags": torch.rand(13, generator=gen) > 0.5,  # 13 bytes: what follows is unaligned
+        "h": torch.randn(5, generator=gen).to(torch.float64),
+        "e": torch.zeros(0, 3),
+        "nested": [torch.arange(11, dtype=torch.int16) * seed, {"step": seed, "x": None}],
+    }
+
+
+def restored(path: Path, daemon, **kwargs: object):
+    return load(path, with_info=True, socket=daemon.socket, **kwargs)
+
+
+# -- by path ----------------------------------------------------------------------------
+
+
+def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
+    daemon, ckpt: Path
+) -> None:
+    with Stager(daemon.socket, slots=2) as stager:
+        for seed in (1, 2):
+            stager.save(state(seed), ckpt / f"c{seed}").wait(60)
+        first = restored(ckpt / "c1", daemon)
+        assert (first.source, first.verified, first.durable) == ("memory", True, True)
+        assert first.path == ckpt / "c1" and first.reason == "" and first.job is not None
+        assert first.bytes == sum(t.nbytes for t in _tensors(state(1)))
+        assert_same(first.state, state(1))
+        stager.save(state(3), ckpt / "c3").wait(60)  # refills c1's slot: the oldest
+        gone = restored(ckpt / "c1", daemon)
+        assert gone.source == "files" and "does not hold this checkpoint" in gone.reason
+        assert_same(gone.state, state(1))
+        assert restored(ckpt / "c2", daemon).source == "memory"
+        assert restored(ckpt / "c2", daemon, source="files").source == "files"
+        assert_same(load(ckpt / "c3", socket=daemon.socket), state(3))
+
+
+def test_a_changed_manifest_or_data_file_is_not_the_checkpoint_in_memory(
+    daemon, ckpt: Path
+) -> None:
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.save(state(1), ckpt / "m").wait(60)
+        stager.save(state(2), ckpt / "d").wait(60)
+        manifest = ckpt / "m" / MANIFEST_NAME
+        manifest.write_bytes(manifest.read_bytes() + b"\n")  # same content, other bytes
+        data = ckpt / "d" / "model.safetensors"
+        shutil.copyfile(data, ckpt / "copy")
+        os.replace(ckpt / "copy", data)  # same bytes, another file
+        for name, seed in (("m", 1), ("d", 2)):
+            result = restored(ckpt / name, daemon)
+            assert result.source == "files", name
+            assert_same(result.state, state(seed))
+
+
+def test_without_a_daemon_load_reads_the_files_and_says_why(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save(state(4), ckpt / "c").wait(60)
+    nowhere = ckpt.parent / "no-daemon.sock"
+    result = load(ckpt / "c", with_info=True, socket=nowhere)
+    assert result.source == "files" and "no-daemon.sock" in result.reason
+    assert_same(result.state, state(4))
+    with pytest.raises(CheckpointError, match="cannot restore from shmstaged's memory"):
+        load(ckpt / "c", source="memory", socket=nowhere)
+    with pytest.raises(ValueError, match="source='disk'"):
+        load(ckpt / "c", source="disk")
+    plain = restore(ckpt / "c", socket=nowhere, verify=False)
+    assert plain.source == "files" and not plain.verified
+    assert_same(plain.state, state(4))
+
+
+def test_a_corrupt_file_still_raises_naming_key_and_file(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket) as stager:
+        stager.save(state(5), ckpt / "c").wait(60)
+    data = ckpt / "c" / "model.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01  # inside the last tensor of the file
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match=r"tensor 'nested\.0' in .*model\.safetensors"):
+        load(ckpt / "c", socket=daemon.socket)
+
+
+# -- latest -----------------------------------------------------------------------------
+
+
+def test_latest_picks_by_structure_and_directory_among_a_users_checkpoints(
+    daemon, ckpt: Path
+) -> None:
+    (ckpt / "a").mkdir()
+    (ckpt / "b").mkdir()
+    other = {"other": torch.ones(3)}
+    with Stager(daemon.socket) as first, Stager(daemon.socket) as second:
+        first.save(state(1), ckpt / "a" / "s1").wait(60)
+        second.save(other, ckpt / "b" / "s1").wait(60)
+        first.save(state(2), ckpt / "a" / "s2").wait(60)
+        newest = latest(socket=daemon.socket)
+        assert (newest.source, newest.path) == ("memory", ckpt / "a" / "s2")
+        assert latest(socket=daemon.socket, like=other).path == ckpt / "b" / "s1"
+        in_b = latest(socket=daemon.socket, under=ckpt / "b")
+        assert in_b.path == ckpt / "b" / "s1"
+        assert_same(in_b.state, other)
+        assert latest(socket=daemon.socket, like=state(9)).path == ckpt / "a" / "s2"
+        with pytest.raises(CheckpointError, match="cannot restore from shmstaged's memory"):
+            latest(socket=daemon.socket, like={"unknown": torch.ones(1)}, source="memory")
+
+
+def test_latest_without_a_daemon_takes_the_newest_complete_checkpoint_under(
+    daemon, ckpt: Path
+) -> None:
+    with Stager(daemon.socket) as stager:
+        for seed in (3, 1, 2):  # committed in this order: names do not decide
+            stager.save(state(seed), ckpt / f"step-{seed}").wait(60)
+            time.sleep(0.01)
+    (ckpt / "step-9").mkdir()  # not a checkpoint: never picked
+    nowhere = ckpt.parent / "no-daemon.sock"
+    result = latest(socket=nowhere, under=ckpt)
+    assert (result.source, result.path) == ("files", ckpt / "step-2")
+    assert_same(result.state, state(2))
+    with pytest.raises(CheckpointError, match="pass under="):
+        latest(socket=nowhere)
+
+
+# -- DCP --------------------------------------------------------------------------------
+
+
+def test_the_dcp_reader_serves_a_rank_file_from_memory_and_falls_back_per_rank(
+    daemon, ckpt: Path
+) -> None:
+    saved = {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    writer = ShmStageWriter(ckpt / "c", socket=daemon.socket)
+    try:
+        dcp.save(saved, storage_writer=writer, no_dist=True)
+        target = {k: torch.zeros_like(v) for k, v in saved.items()}
+        reader = ShmStageReader(ckpt / "c", socket=daemon.socket)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert reader.sources == {0: "memory"}
+        assert_same(target, saved)
+    finally:
+        writer.close()  # released: nothing is kept
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    reader = ShmStageReader(ckpt / "c", socket=daemon.socket)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.sources == {0: "files"}
+    assert_same(target, saved)
+
+
+# -- the transfer engine ----------------------------------------------------------------
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _packed(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[Placement]]:
+    """The tensors back to back, no padding (as in a data file), and where each is."""
+    import crc32c
+
+    blobs, placements, offset = [], [], 0
+    for key, tensor in tensors.items():
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        placements.append(
+            Placement(key, tensor.dtype, tuple(tensor.shape), offset, len(raw), crc32c.crc32c(raw))
+        )
+        blobs.append(raw)
+        offset += len(raw)
+    return b"".join(blobs), placements
+
+
+CASES = {
+    "flags": torch.tensor([True, False, True]),  # 3 bytes: the next tensors are unaligned
+    "w": torch.randn(5000, generator=torch.Generator().manual_seed(0)),
+    "empty": torch.zeros(0, 4, dtype=torch.float64),
+    "i": torch.arange(1000, dtype=torch.int64),
+    "c": torch.randn(77, dtype=torch.complex64),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(reading, "FILE_CHUNK", 4096)  # tensors span chunks and threads
+    data, placements = _packed(CASES)
+    path = tmp_path / "data"
+    path.write_bytes(b"H" * 100 + data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        source = FileSource(fd, 100, len(data), str(path))
+        got = transfer(source, placements, torch.device("cpu"), threads=threads)
+        assert_same(got, CASES, key_order=False)
+        raw = bytearray(path.read_bytes())
+        raw[100 + placements[1].offset + 4097] ^= 0x10  # a byte in "w"'s second chunk
+        path.write_bytes(bytes(raw))
+        with pytest.raises(ChecksumError, match=r"tensor 'w' in .*data: checksum mismatch"):
+            transfer(source, placements, torch.device("cpu"), threads=threads)
+        unchecked = transfer(source, placements, torch.device("cpu"), verify=False)
+        assert not torch.equal(unchecked["w"], CASES["w"])
+    finally:
+        os.close(fd)
+
+
+def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reading, "MAPPED_CHUNK", 8192)
+    data, placements = _packed(CASES)
+    buffer = ctypes.create_string_buffer(data, len(data))
+    source = MappedSource(ctypes.addressof(buffer), len(data), "a test buffer")
+    got = transfer(source, placements, torch.device("cpu"), threads=2)
+    assert_same(got, CASES, key_order=False)
+    buffer[0] = b"\x00"  # the source changes afterwards: the result is a copy of its own
+    assert_same(got, CASES, key_order=False)
