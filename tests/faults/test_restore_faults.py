@@ -339,7 +339,7 @@ def test_a_corrupted_segment_byte_is_caught_and_load_reads_the_files(
 def test_retained_memory_is_given_back_over_budget_spare_slots_first_oldest_first(
     daemons, ckpt: Path
 ) -> None:
-    one_slot = 3 * 4 * (1 << 16) + 17 * 8  # make_state: three 64 Ki-float layers and a bias
+    one_slot = 3 * 4 * (1 << 16) + 4096  # make_state: three 64 Ki-float layers, a bias (a page)
     daemon = daemons("--retain-budget", str(one_slot * 3 // 2))
     for name in ("old", "new"):
         stager = Stager(daemon.socket, slots=2)
