@@ -26,7 +26,7 @@ import os
 import platform
 import threading
 from collections.abc import Iterator
-from typing import Final
+from typing import ClassVar, Final
 
 from shmstage_daemon.admission import Peer
 
@@ -67,11 +67,16 @@ def _current_fsgid() -> int:
 
 
 class _Own:
-    """The daemon's own credentials, to go back to."""
+    """The daemon's own credentials, to go back to: read when first needed (after any
+    privilege drop at start), not at import."""
 
-    uid = os.geteuid()
-    gid = os.getegid()
-    groups = os.getgroups()
+    uid = gid = -1
+    groups: ClassVar[list[int]] = []
+
+    @classmethod
+    def read(cls) -> None:
+        if cls.uid == -1:
+            cls.uid, cls.gid, cls.groups = os.geteuid(), os.getegid(), os.getgroups()
 
 
 _probe_lock = threading.Lock()
@@ -85,6 +90,7 @@ def can_switch() -> bool:
     with _probe_lock:
         if _can_switch is None:
             result: list[bool] = []
+            _Own.read()
 
             def probe() -> None:
                 target = 65534 if _Own.uid != 65534 else 65533

@@ -494,10 +494,14 @@ def is_committed(dest: Destination) -> bool:
     return _is_ours(dest, MANIFEST_NAME, dest.manifest_fd)
 
 
-def discard(dest: Destination) -> None:
-    """Give up a job that will not run: remove what it put in the directory, close it."""
+def discard(dest: Destination, peer: Peer | None = None) -> None:
+    """Give up a job that will not run: remove what it put in the directory (with its
+    owner's filesystem rights), close it."""
     try:
-        _undo(dest)
+        with credentials.acting_as(peer):
+            _undo(dest)
+    except credentials.CredentialError:
+        pass  # the names stay; gc removes them once nobody holds them
     finally:
         dest.close()
 

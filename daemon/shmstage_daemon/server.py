@@ -35,7 +35,15 @@ from shmstage.protocol import (
 )
 from shmstage.segment import SegmentRef
 from shmstage.units import format_size
-from shmstage_daemon import __version__, faults, job, journal, retention, scheduler
+from shmstage_daemon import (
+    __version__,
+    credentials,
+    faults,
+    job,
+    journal,
+    retention,
+    scheduler,
+)
 from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import measure_shm
 from shmstage_daemon.fairness import FairExecutor
@@ -643,9 +651,12 @@ class Daemon:
     def _journal_sync(
         self, persist: job.PersistJob, wire: SlotWire, peer: Peer, fsync: bool, owed: bool
     ) -> str | None:
-        """Runs in the journal thread: locate the directory, then write the entry."""
+        """Runs in the journal thread: locate the directory (walking the path with the
+        user's filesystem rights: it may be reachable by that user alone), then write the
+        entry (with the daemon's own, in its journal)."""
         dir_fd = persist.destination.dir_fd
-        directory = journal.locate(dir_fd)
+        with credentials.acting_as(peer):
+            directory = journal.locate(dir_fd)
         if directory is None:
             return None
         st = os.fstat(dir_fd)

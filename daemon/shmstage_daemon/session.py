@@ -35,7 +35,7 @@ from shmstage.protocol import (
     Role,
 )
 from shmstage.segment import SegmentRef
-from shmstage_daemon import __version__, job, retention
+from shmstage_daemon import __version__, credentials, job, retention
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.slot import Slot, SlotState
 from shmstage_daemon.store import StagedLayout, StoreError
@@ -469,8 +469,13 @@ class Session:
         body = frame.body
         try:
             staged = self.store.get(self.id, body["layout"])
+            self.store.slot(staged, body["slot"])
+            # In an I/O thread, with the user's own filesystem rights: the names live in a
+            # directory that may be the user's alone, and on NFS or Lustre each stat is a
+            # server round trip the event loop must not wait for.
+            await self.daemon.run_io(self._check_destination_as_peer, destination)
+            staged = self.store.get(self.id, body["layout"])  # still there after the wait
             slot = self.store.slot(staged, body["slot"])
-            self._check_destination(destination)
             header = staged.header(_string_map(body.get("file_metadata", {}), "file_metadata"))
             metadata = body.get("metadata", {})
             if len(metadata) > MAX_METADATA_ENTRIES:
@@ -631,7 +636,7 @@ class Session:
         cannot — only while they are still the very ones (same inode), in an I/O thread."""
         self.daemon.journal_discard(job_id)
         self.daemon.abandon_job(self.id, staged, slot, job_id)
-        discarding = self.daemon.run_io(job.discard, persist.destination)
+        discarding = self.daemon.run_io(job.discard, persist.destination, self.peer)
         self.daemon._track(asyncio.ensure_future(discarding))
 
     def _journal_failed(self, exc: OSError) -> RequestError:
@@ -640,6 +645,10 @@ class Session:
             f"cannot journal the checkpoint ({exc.strerror or exc}) in "
             f"{self.daemon.journal_path}; nothing was written — check that filesystem",
         )
+
+    def _check_destination_as_peer(self, destination: job.Destination) -> None:
+        with credentials.acting_as(self.peer):
+            self._check_destination(destination)
 
     def _check_destination(self, destination: job.Destination) -> None:
         """Check the client's descriptors really are what the names say, and writable by it."""

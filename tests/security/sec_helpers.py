@@ -166,3 +166,60 @@ def raw_socket(path: Path) -> socket.socket:
     sock.settimeout(10)
     sock.connect(str(path))
     return sock
+
+
+DAEMON_AS = """
+import ctypes, os, sys
+import shmstage_daemon.main
+# Modules the standard library imports lazily, while this user could still read them.
+import concurrent.futures.thread, concurrent.futures.process, asyncio.unix_events
+import asyncio.selector_events, selectors, multiprocessing, encodings.idna, ctypes.util
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: keep the permitted set across setuid
+os.setgroups([]); os.setgid({gid}); os.setuid({uid})
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+header, data = Header(0x20080522, 0), (Data * 2)()
+data[0].effective = data[0].permitted = {caps}  # what the unit grants, nothing else
+assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+sys.exit(shmstage_daemon.main.main({argv!r}))
+"""
+CAP_SETUID_SETGID = (1 << 6) | (1 << 7)
+
+
+def start_daemon_as(
+    user: User, where: Path, *flags: str, caps: int = CAP_SETUID_SETGID, env: dict | None = None
+):
+    """shmstaged as ``user`` holding only ``caps`` (the packaged unit's CAP_SETUID and
+    CAP_SETGID by default), serving ``where/shmstaged.sock``; a harness RunningDaemon."""
+    from harness import RunningDaemon
+
+    where.mkdir(parents=True, exist_ok=True)
+    os.chown(where, user.uid, user.gid)
+    where.chmod(0o755)
+    sock = where / "shmstaged.sock"
+    log_path = where.parent / f"{where.name}.log"
+    argv = ["--socket", str(sock), "--log-level", "debug", *flags]
+    code = DAEMON_AS.format(uid=user.uid, gid=user.gid, caps=caps, argv=argv)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=_env(env)
+        )
+    daemon = RunningDaemon(sock, proc, log_path)
+    offset = len(daemon.log())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = daemon.log()[offset:]
+        if proc.poll() is not None:
+            raise RuntimeError(f"shmstaged exited with {proc.returncode}:\n{text}")
+        if "listening on" in text:
+            daemon.instance = text.split("(instance ", 1)[1][:16]
+            daemon.journal = Path(text.split(", journal ", 1)[1].split(" on ", 1)[0])
+            sock.chmod(0o666)  # trainers reach it (the unit: group shmstage)
+            return daemon
+        time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError(f"shmstaged did not start:\n{daemon.log()}")
