@@ -285,7 +285,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         for entry in list(self._owed.values()):
-            self._track(loop.create_task(self._finish_owed(entry)))
+            self.track(loop.create_task(self._finish_owed(entry)))
         accept = loop.create_task(self._accept_loop(self._listener))
         sweep = loop.create_task(self._sweep_retained())
         await self._stop.wait()
@@ -360,7 +360,7 @@ class Daemon:
         if self._refusing >= MAX_LINGERING_REFUSALS:  # a flood: no courtesy, just close
             transport.close()
             return
-        self._track(asyncio.get_running_loop().create_task(self._refuse(transport, refusal)))
+        self.track(asyncio.get_running_loop().create_task(self._refuse(transport, refusal)))
 
     async def _refuse(self, transport: Transport, refusal: bytes) -> None:
         """Send the reason, then let the peer read it before closing.
@@ -509,7 +509,7 @@ class Daemon:
                 f"uid {session.peer.uid} is no longer allowed to use shmstaged (the "
                 "configuration was reloaded); checkpoints already committed are still written"
             )
-            self._track(asyncio.ensure_future(session.end(ErrorCode.NOT_ALLOWED, message)))
+            self.track(asyncio.ensure_future(session.end(ErrorCode.NOT_ALLOWED, message)))
 
     def check_capacity(self, nbytes: int) -> None:
         """Refuse a registration that /dev/shm or the node's memory cannot back right now.
@@ -572,7 +572,7 @@ class Daemon:
     def unlink_later(self, names: list[str]) -> asyncio.Future[Any]:
         """Unlink segments in an I/O thread (shutdown waits for it)."""
         future = asyncio.ensure_future(self.run_io(_unlink_all, names))
-        self._track(future)
+        self.track(future)
         return future
 
     def _lease_ended(self, staged: StagedLayout, slot: Slot) -> None:
@@ -581,12 +581,16 @@ class Daemon:
         self.store.hand_over(staged, slot)
         self._collect(staged)
 
-    def _track(self, future: asyncio.Future[Any]) -> None:
+    def track(self, future: asyncio.Future[Any]) -> None:
         """Background work that shutdown waits for (unlinks, journal removals, recovery)."""
         self._pending_unlinks.add(future)
         future.add_done_callback(self._pending_unlinks.discard)
 
     # -- the journal -------------------------------------------------------------
+
+    @property
+    def default_slots(self) -> int:
+        return self.settings.default_slots
 
     @property
     def journal_path(self) -> Path:
@@ -646,7 +650,7 @@ class Daemon:
         name = self._pending_entries.pop(job_id, None)
         if name is not None:
             loop = asyncio.get_running_loop()
-            self._track(loop.run_in_executor(self._journal_io, self.journal.discard, name))
+            self.track(loop.run_in_executor(self._journal_io, self.journal.discard, name))
 
     def _journal_sync(
         self, persist: job.PersistJob, wire: SlotWire, peer: Peer, fsync: bool, owed: bool
@@ -677,7 +681,7 @@ class Daemon:
 
     def _remove_entry(self, name: str) -> None:
         loop = asyncio.get_running_loop()
-        self._track(
+        self.track(
             loop.run_in_executor(
                 self._journal_io, functools.partial(self.journal.remove, name, fsync=self.fsync)
             )
@@ -731,7 +735,7 @@ class Daemon:
         reap = functools.partial(
             instance.reap_dead, keep=keep, own_journals=self._own_journals()
         )
-        self._track(asyncio.ensure_future(self.run_io(reap)))
+        self.track(asyncio.ensure_future(self.run_io(reap)))
 
     def session_closed(self, session: Session) -> None:
         """A client went away. Its leases end; a layout it did not release is retained for

@@ -18,7 +18,7 @@ import os
 import stat
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shmstage import datafile, names, segment, tree
 from shmstage.layout import Layout, LayoutError
@@ -37,12 +37,10 @@ from shmstage.protocol import (
 from shmstage.segment import SegmentRef
 from shmstage_daemon import __version__, credentials, job, retention
 from shmstage_daemon.admission import Peer, may_write_dir
+from shmstage_daemon.host import SessionHost
 from shmstage_daemon.slot import Slot, SlotState
 from shmstage_daemon.store import StagedLayout, StoreError
 from shmstage_daemon.transport import Transport, close_fds
-
-if TYPE_CHECKING:
-    from shmstage_daemon.server import Daemon
 
 log = logging.getLogger("shmstaged.session")
 
@@ -74,7 +72,9 @@ class RequestError(Exception):
 
 
 class Session:
-    def __init__(self, daemon: Daemon, sid: int, transport: Transport, peer: Peer) -> None:
+    def __init__(
+        self, daemon: SessionHost, sid: int, transport: Transport, peer: Peer
+    ) -> None:
         self.daemon = daemon
         self.id = sid
         self.transport = transport
@@ -266,7 +266,7 @@ class Session:
         layout = Layout.from_wire(
             frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
         )
-        slots = frame.body.get("slots", self.daemon.settings.default_slots)
+        slots = frame.body.get("slots", self.daemon.default_slots)
         batch = _batch(frame)
         adopted = await self._adopt(layout, slots)
         if adopted is not None:
@@ -637,7 +637,7 @@ class Session:
         self.daemon.journal_discard(job_id)
         self.daemon.abandon_job(self.id, staged, slot, job_id)
         discarding = self.daemon.run_io(job.discard, persist.destination, self.peer)
-        self.daemon._track(asyncio.ensure_future(discarding))
+        self.daemon.track(asyncio.ensure_future(discarding))
 
     def _journal_failed(self, exc: OSError) -> RequestError:
         return RequestError(
