@@ -86,6 +86,34 @@ class SaveTimings:
         )
 
 
+class TimingViews:
+    """The parts of ``timings`` most read, as attributes of what carries a ``SaveTimings``
+    (a ``Staged``, DCP's ``StageStats``)."""
+
+    timings: SaveTimings
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.timings.stall_seconds
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.timings.copy_seconds
+
+    @property
+    def stage_seconds(self) -> float:
+        """Deprecated alias of ``copy_seconds``."""
+        return self.timings.copy_seconds
+
+    @property
+    def slot_wait_seconds(self) -> float:
+        return self.timings.slot_wait_seconds
+
+    @property
+    def setup_seconds(self) -> float:
+        return self.timings.setup_seconds
+
+
 class Clock:
     """Times one call's parts; ``timings()`` closes it, measuring the stall up to now."""
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from shmstage_client.connection import RequestHandle
 from shmstage_client.destination import Fields, Target, open_target
 from shmstage_client.errors import SaveError
-from shmstage_client.handle import Clock, SaveHandle, SaveTimings
+from shmstage_client.handle import Clock, SaveHandle, SaveTimings, TimingViews
 from shmstage_client.prepared import check_fits
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Destination:
         self.target.abort()
 
 
-class Staged:
+class Staged(TimingViews):
     """A filled slot waiting for its destination (``Stager.stage``).
 
     ``commit()`` hands it to the daemon to write; ``cancel()`` hands it back unwritten.
@@ -78,27 +78,6 @@ class Staged:
         self.landing: Landing | None = None
         self._lock = threading.Lock()
         self._state = "staged"  # -> "committing" -> "committed" | "cancelled"
-
-    @property
-    def stall_seconds(self) -> float:
-        return self.timings.stall_seconds
-
-    @property
-    def copy_seconds(self) -> float:
-        return self.timings.copy_seconds
-
-    @property
-    def stage_seconds(self) -> float:
-        """Deprecated alias of ``copy_seconds``."""
-        return self.timings.copy_seconds
-
-    @property
-    def slot_wait_seconds(self) -> float:
-        return self.timings.slot_wait_seconds
-
-    @property
-    def setup_seconds(self) -> float:
-        return self.timings.setup_seconds
 
     def __enter__(self) -> Staged:
         return self

@@ -416,23 +416,11 @@ def reopen(entry: Entry) -> job.Destination:
         raise
     for fd in fds[1:]:  # the pending directory and the files, in use again (see names)
         names.hold(fd)
+    files = (dir_fd, data_fd, manifest_fd, entry.data_file, entry.data_tmp, entry.manifest_tmp)
     if not entry.final_dir:
-        return job.Destination(
-            dir_fd,
-            data_fd,
-            manifest_fd,
-            entry.data_file,
-            entry.data_tmp,
-            entry.manifest_tmp,
-            path=entry.directory,
-        )
+        return job.Destination(*files, path=entry.directory)
     return job.Destination(
-        dir_fd,
-        data_fd,
-        manifest_fd,
-        entry.data_file,
-        entry.data_tmp,
-        entry.manifest_tmp,
+        *files,
         path=os.path.join(entry.directory, entry.pending_dir),
         parent_fd=fds[0],
         pending_dir=entry.pending_dir,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -11,9 +10,7 @@ from pathlib import Path
 
 import pytest
 from harness import RunningDaemon, start_daemon
-from sec_helpers import ATTACKER, GROUP, VICTIM, User, ensure_accounts
-
-from shmstage import instance, segment
+from sec_helpers import ATTACKER, GROUP, VICTIM, User, ensure_accounts, stop_and_reap
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +62,4 @@ def shared_daemon(
 
     yield start
     for daemon in started:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait(10)
-        for name in segment.list_names(daemon.instance):
-            segment.unlink(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(instance.lock_path(daemon.instance))
+        stop_and_reap(daemon)

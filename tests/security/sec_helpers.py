@@ -223,3 +223,16 @@ def start_daemon_as(
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError(f"shmstaged did not start:\n{daemon.log()}")
+
+
+def stop_and_reap(daemon) -> None:  # a harness RunningDaemon
+    """Kill a test's daemon and remove what it leaves in /dev/shm (segments, lock)."""
+    from shmstage import instance, segment
+
+    if daemon.proc.poll() is None:
+        daemon.proc.kill()
+        daemon.proc.wait(10)
+    for name in segment.list_names(daemon.instance):
+        segment.unlink(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(instance.lock_path(daemon.instance))

@@ -10,16 +10,15 @@ finishes the acknowledged checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from harness import RunningDaemon, wait_for
-from sec_helpers import DAEMON_USER, GROUP, User, run_as, start_daemon_as
+from sec_helpers import DAEMON_USER, GROUP, User, run_as, start_daemon_as, stop_and_reap
 
-from shmstage import checkpoint, instance, segment
+from shmstage import checkpoint
 
 
 @pytest.fixture
@@ -38,13 +37,7 @@ def system_daemon(accounts: dict[str, User], arena: Path) -> Iterator:
 
     yield start
     for daemon in started:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait(10)
-        for name in segment.list_names(daemon.instance):
-            segment.unlink(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(instance.lock_path(daemon.instance))
+        stop_and_reap(daemon)
 
 
 TRUST = {"SHMSTAGE_DAEMON_USER": DAEMON_USER}

@@ -51,7 +51,7 @@ from torch.futures import Future
 
 from shmstage_client.dcp import directory
 from shmstage_client.errors import CheckpointExists, SaveError, UnsupportedValue
-from shmstage_client.handle import SaveResult, SaveTimings
+from shmstage_client.handle import SaveResult, SaveTimings, TimingViews
 from shmstage_client.staged import Staged
 from shmstage_client.stager import Stager
 
@@ -96,7 +96,7 @@ class _RankPlan:
 
 
 @dataclass(frozen=True)
-class StageStats:
+class StageStats(TimingViews):
     """What this rank's last staging cost (``ShmStageWriter.last_stage``): ``timings`` of
     the ``stage()`` call, whose ``stall_seconds`` is what the training thread paid;
     ``deferred_bytes``, what a guarded writer copied after ``stage()`` returned."""
@@ -105,27 +105,6 @@ class StageStats:
     bytes: int
     timings: SaveTimings
     deferred_bytes: int = 0
-
-    @property
-    def stall_seconds(self) -> float:
-        return self.timings.stall_seconds
-
-    @property
-    def copy_seconds(self) -> float:
-        return self.timings.copy_seconds
-
-    @property
-    def stage_seconds(self) -> float:
-        """Deprecated alias of ``copy_seconds``."""
-        return self.timings.copy_seconds
-
-    @property
-    def slot_wait_seconds(self) -> float:
-        return self.timings.slot_wait_seconds
-
-    @property
-    def setup_seconds(self) -> float:
-        return self.timings.setup_seconds
 
 
 class _Collected:
