@@ -1,6 +1,7 @@
 """Temporary files of saves that will never finish, and how ``shmstage gc`` removes them.
 
-A save creates hidden temporary files in its checkpoint directory (``names.temp_name``).
+A save creates hidden temporary files (``names.temp_name``), for a new checkpoint inside a
+hidden pending directory (``names.pending_dir_name``) beside it.
 Normally the daemon turns them into the checkpoint or removes them. A trainer killed before
 its commit reached the daemon, or a daemon that gave up a job it could not even reopen,
 leaves them behind, where nothing else would ever clean them.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import stat
 import time
@@ -70,12 +72,22 @@ def sweep(
     """
     report = Swept()
     now = time.time()
-    for directory, name in _candidates(roots, max_depth):
+    pending: list[tuple[Path, str]] = []
+    for directory, name in _candidates(roots, max_depth, pending):
         _consider(directory, name, report, only_uid, dry_run, now - min_age)
+    # Then the pending directories (a save's, or a spare a dead trainer prepared): once
+    # their files are gone, an empty one nobody holds goes too; deepest first.
+    emptied = {str(Path(path).parent) for path in report.removed}
+    for directory, name in reversed(pending):
+        cutoff = math.inf if str(directory / name) in emptied else now - min_age
+        _consider(directory, name, report, only_uid, dry_run, cutoff, is_dir=True)
     return report
 
 
-def _candidates(roots: list[Path], max_depth: int) -> Iterator[tuple[Path, str]]:
+def _candidates(
+    roots: list[Path], max_depth: int, pending: list[tuple[Path, str]]
+) -> Iterator[tuple[Path, str]]:
+    """Temporary files below ``roots``; pending directories are appended to ``pending``."""
     for root in roots:
         stack = [(root, 0)]
         while stack:
@@ -89,12 +101,24 @@ def _candidates(roots: list[Path], max_depth: int) -> Iterator[tuple[Path, str]]
                 if names.is_temp(entry.name):
                     yield directory, entry.name
                 elif depth < max_depth and entry.is_dir(follow_symlinks=False):
+                    if names.is_pending_dir(entry.name):
+                        pending.append((directory, entry.name))
                     stack.append((Path(entry.path), depth + 1))
 
 
 def _consider(
-    directory: Path, name: str, report: Swept, only_uid: int | None, dry_run: bool, cutoff: float
+    directory: Path,
+    name: str,
+    report: Swept,
+    only_uid: int | None,
+    dry_run: bool,
+    cutoff: float,
+    *,
+    is_dir: bool = False,
 ) -> None:
+    """Remove ``directory/name`` if it is an orphan: a regular temporary file or (with
+    ``is_dir``) an empty pending directory, owned as required, older than ``cutoff``,
+    and held by nobody."""
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -108,8 +132,10 @@ def _consider(
             return
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
                 return
+            if is_dir and os.listdir(fd):
+                return  # something of someone's is still in it
             if only_uid is not None and st.st_uid != only_uid:
                 report.other_uid += 1
                 return
@@ -121,7 +147,7 @@ def _consider(
             except BlockingIOError:
                 report.live += 1
                 return
-            if not dry_run and not _unlink_if_same(dir_fd, name, st):
+            if not dry_run and not _remove_if_same(dir_fd, name, st, is_dir):
                 return
             report.removed.append(str(directory / name))
             report.bytes += st.st_blocks * 512
@@ -131,11 +157,11 @@ def _consider(
         os.close(dir_fd)
 
 
-def _unlink_if_same(dir_fd: int, name: str, st: os.stat_result) -> bool:
-    """Remove ``name`` only while it still names the file we locked."""
+def _remove_if_same(dir_fd: int, name: str, st: os.stat_result, is_dir: bool) -> bool:
+    """Remove ``name`` only while it still names what we locked (rmdir: only if empty)."""
     with contextlib.suppress(OSError):
         named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino):
-            os.unlink(name, dir_fd=dir_fd)
+            (os.rmdir if is_dir else os.unlink)(name, dir_fd=dir_fd)
             return True
     return False

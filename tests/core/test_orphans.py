@@ -78,3 +78,25 @@ def test_symlinked_directories_are_not_followed(tmp_path: Path) -> None:
     (tmp_path / "root" / "link").symlink_to(tmp_path / "outside")
     report = orphans.sweep([tmp_path / "root"], only_uid=None)
     assert report.removed == [] and outside.exists()
+
+
+def test_an_orphaned_pending_directory_goes_with_its_files_a_held_one_stays(
+    tmp_path: Path,
+) -> None:
+    """A dead trainer's spare (or a dropped save's) pending directory: its files go, then
+    the empty directory; one a live trainer holds (shared flock on the directory) stays."""
+    orphan = tmp_path / names.pending_dir_name()
+    temp_file(orphan)
+    old = time.time() - 3600
+    os.utime(orphan, (old, old))
+    alive = tmp_path / names.pending_dir_name()
+    alive.mkdir()
+    os.utime(alive, (old, old))
+    fd = os.open(alive, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        report = orphans.sweep([tmp_path], only_uid=None)
+        assert not orphan.exists() and str(orphan) in report.removed
+        assert alive.exists() and report.live == 1
+    finally:
+        os.close(fd)
