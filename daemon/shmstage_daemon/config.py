@@ -238,6 +238,10 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return convert
 
 
+def _optional_path(value: Any) -> Path | None:
+    return None if value is None else _absolute_path(value)
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -379,6 +383,7 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "operator_groups": ("server", "operator_groups", _groups),
     "shutdown_timeout": ("server", "shutdown_timeout", _seconds),
     "metrics_port": ("server", "metrics_port", _optional_port),
+    "metrics_socket": ("server", "metrics_socket", _optional_path),
     "journal_dir": ("server", "journal_dir", _absolute_path),
     "allow_disk_journal": ("server", "allow_disk_journal", _bool),
     "restore_groups": ("server", "restore_groups", _groups),
@@ -441,6 +446,7 @@ class Config:
     operator_groups: frozenset[int] = frozenset()
     shutdown_timeout: float = 60.0
     metrics_port: int | None = None
+    metrics_socket: Path | None = None
     journal_dir: Path = Path("/dev/shm")
     allow_disk_journal: bool = False
     shm_budget: int | str = "80%"

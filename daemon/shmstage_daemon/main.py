@@ -56,6 +56,7 @@ _OVERRIDES: Final = {
     "max_buffered_bytes": "max_buffered_bytes",
     "default_slots": "default_slots",
     "metrics_port": "metrics_port",
+    "metrics_socket": "metrics_socket",
     "journal_dir": "journal_dir",
     "retain_ttl": "retain_ttl",
     "retain_budget": "retain_budget",
@@ -217,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve Prometheus metrics on http://127.0.0.1:PORT/metrics",
     )
     parser.add_argument(
+        "--metrics-socket",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also serve the metrics over HTTP on this unix socket (mode 0660: the daemon's "
+        "user and group only)",
+    )
+    parser.add_argument(
         "--journal-dir",
         type=Path,
         default=None,
@@ -263,7 +272,7 @@ def _number(text: str) -> int | float | str:
 def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the command line gives, as Config field names (absent flags omitted)."""
     out = {field: getattr(args, dest) for dest, field in _OVERRIDES.items()}
-    for key in ("socket_path", "journal_dir"):
+    for key in ("socket_path", "journal_dir", "metrics_socket"):
         if out[key] is not None:
             out[key] = Path(out[key]).absolute()
     if args.no_fsync:
@@ -333,6 +342,7 @@ def describe(config: Config) -> str:
         f"  operator_groups  {sorted(config.operator_groups)}",
         f"  shutdown_timeout {config.shutdown_timeout:g} s",
         f"  metrics_port     {config.metrics_port or 'off'}",
+        f"  metrics_socket   {config.metrics_socket or 'off'}",
         f"  journal_dir      {config.journal_dir}"
         + (" (disk allowed)" if config.allow_disk_journal else ""),
         f"  shm_budget       {config.shm_budget} = {budget}",

@@ -10,7 +10,8 @@ all on the daemon's own event loop:
 - SIGHUP re-reads the configuration in an I/O thread (user and group lookups can block on
   NSS), then applies it in the loop: RELOADING=1 … READY=1. A bad file is logged with
   every problem and the running configuration stays.
-- An optional Prometheus endpoint on 127.0.0.1:<metrics_port>.
+- An optional Prometheus endpoint on 127.0.0.1:<metrics_port> (any local user can read it)
+  and/or on a unix socket, ``metrics_socket``, mode 0660: only the daemon's user and group.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import stat
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 from shmstage.metrics import render
@@ -52,6 +56,7 @@ class Service:
         self._tasks: list[asyncio.Task[None]] = []
         self._reloading: asyncio.Task[None] | None = None
         self._metrics_server: asyncio.Server | None = None
+        self._metrics_unix: asyncio.Server | None = None
         self._last_status = ""
 
     async def run(self) -> int:
@@ -65,6 +70,8 @@ class Service:
             log.info("systemd watchdog: pinging every %.1f s", interval)
         if self.config.metrics_port is not None:
             await self._start_metrics(self.config.metrics_port)
+        if self.config.metrics_socket is not None:
+            await self._start_metrics_socket(self.config.metrics_socket)
         serving = loop.create_task(self.daemon.serve())
         self._last_status = self.daemon.status_line()
         self.notifier.ready(self._last_status)
@@ -76,6 +83,10 @@ class Service:
                 task.cancel()
             if self._metrics_server is not None:
                 self._metrics_server.close()
+            if self._metrics_unix is not None:
+                self._metrics_unix.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(self.config.metrics_socket)
             self.notifier.close()
         return 0
 
@@ -148,6 +159,22 @@ class Service:
             log.error("metrics: cannot listen on 127.0.0.1:%d (%s); no HTTP metrics", port, exc)
             return
         log.info("metrics: serving http://127.0.0.1:%d/metrics", port)
+
+    async def _start_metrics_socket(self, path: Path) -> None:
+        """The same endpoint on a unix socket only the daemon's user and group can open:
+        for nodes where even aggregate counters are not for every local user."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # left by an earlier run; anything else is refused below
+        old_umask = os.umask(0o117)  # created 0660, never wider for a moment
+        try:
+            self._metrics_unix = await asyncio.start_unix_server(self._serve_http, str(path))
+        except OSError as exc:
+            log.error("metrics: cannot listen on %s (%s); no metrics there", path, exc)
+            return
+        finally:
+            os.umask(old_umask)
+        log.info("metrics: serving on the unix socket %s (mode 0660)", path)
 
     async def _restart_metrics(self, port: int | None) -> None:
         if self._metrics_server is not None:

@@ -452,7 +452,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
     defaults = Config()
     table_keys = {
         "server": ["socket_path", "allowed_users", "allowed_groups", "operator_groups",
-                   "shutdown_timeout", "metrics_port", "journal_dir", "allow_disk_journal",
+                   "shutdown_timeout", "metrics_port", "metrics_socket", "journal_dir",
+                   "allow_disk_journal",
                    "restore_groups"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "max_connections", "max_prepared", "max_journal_bytes", "max_buffered_bytes",

@@ -330,6 +330,30 @@ def test_metrics_are_served_on_localhost_http(tmp_path: Path, ckpt: Path) -> Non
         assert daemon.stop() == 0
 
 
+def test_metrics_can_be_served_on_an_owner_only_unix_socket(tmp_path: Path) -> None:
+    """For nodes where even the aggregate counters are not for every local user."""
+    import socket
+    import stat
+
+    path = tmp_path / "metrics.sock"
+    daemon = start_daemon(tmp_path / "d", "--metrics-socket", str(path))
+    try:
+        wait_for(lambda: "metrics: serving on the unix socket" in daemon.log(), "the endpoint")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        client = socket.socket(socket.AF_UNIX)
+        client.settimeout(10)
+        client.connect(str(path))
+        client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        reply = b""
+        while chunk := client.recv(65536):
+            reply += chunk
+        client.close()
+        assert reply.startswith(b"HTTP/1.0 200 OK") and b"shmstage_saves_total" in reply
+    finally:
+        assert daemon.stop() == 0
+    assert not path.exists()
+
+
 # ------------------------------------------------------------------------- restart
 
 
