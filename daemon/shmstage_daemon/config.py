@@ -457,7 +457,7 @@ class Config:
     max_connections: int = 64
     max_prepared: int = 32
     max_journal_bytes: int | str = "64MiB"
-    max_buffered_bytes: int | str = "64MiB"
+    max_buffered_bytes: int | str = "256MiB"
     default_slots: int = 2
     writer_threads: int = 16
     io_threads: int = 4

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help='bytes of requests still arriving one user may have the daemon buffer '
-        '(default "64MiB")',
+        '(default "256MiB")',
     )
     parser.add_argument(
         "--default-slots",

@@ -59,7 +59,7 @@ class Limits:
     #: Journal bytes one user's entries may take (the journal lives in /dev/shm).
     max_user_journal_bytes: int = 64 << 20
     #: Bytes of incomplete frames one user's connections may have the daemon buffer.
-    max_user_buffered_bytes: int = 64 << 20
+    max_user_buffered_bytes: int = 256 << 20
     max_tensors_per_layout: int = 200_000
     max_slots: int = 8
 
