@@ -223,11 +223,13 @@ def test_gc_says_what_a_dead_daemons_journal_keeps_and_why(tmp_path: Path) -> No
         assert f"kept: shared memory of dead instance {dead}" in out, out
         owes = f"its journal {journal} still owes 1 acknowledged checkpoint(s) ({dead}.7.job)"
         assert owes in out
-        assert "kept in all: 2 segment(s), 2.0 MiB" in out
+        assert "kept in all: " in out
         report = json.loads(shmstage("gc", "--json").stdout)
-        assert report["held"] == [
-            {"instance": dead, "journal": str(journal), "owed_jobs": [f"{dead}.7.job"]}
-        ]
+        # Other dead daemons on this machine may be held too: this one's entry is exact.
+        assert {"instance": dead, "journal": str(journal), "owed_jobs": [f"{dead}.7.job"]} in (
+            report["held"]
+        )
+        assert report["held_segments"] >= 2 and report["held_bytes"] >= 2 << 20
         assert all(os.path.exists(segment.SHM_DIR + ref.name) for ref in held)
         # Temporary files are left alone while a journal owes checkpoints.
         swept = shmstage("gc", "--checkpoints", str(tmp_path)).stdout
