@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
 from shmstage_client import pinning
+from shmstage_client.staging import _pieces
 
 from shmstage import instance, segment
 from shmstage.units import format_size, parse_size
@@ -38,11 +38,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=500)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--threads", type=int, default=segment.MAX_SETUP_THREADS)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="set up and tear down this many times in one process (on a VM whose memory "
+        "grows on first use, later rounds show what a host with its memory present pays)",
+    )
+    parser.add_argument(
+        "--no-prefault",
+        action="store_true",
+        help="register without faulting the pages in first (the driver faults them)",
+    )
     args = parser.parse_args(argv)
     total = parse_size(args.size)
     sizes = [total // args.tensors] * args.tensors
     sizes[-1] += total - sum(sizes)
-    every = sizes * args.slots
+    gib = total / 2**30
+    print(
+        f"{format_size(total)} x {args.slots} slot(s) in {args.tensors} tensors, up to "
+        f"{args.threads} setup thread(s){', no prefault' if args.no_prefault else ''}"
+    )
+    for round_ in range(args.rounds):
+        steps = one_round(sizes, args.slots, args.threads, not args.no_prefault)
+        for name, seconds in steps.items():
+            print(
+                f"  round {round_ + 1}: {name:<32}{seconds:>8.3f} s "
+                f"{seconds / gib:>8.3f} s/GiB of state"
+            )
+    return 0
+
+
+def one_round(sizes: list[int], slots: int, threads: int, touch: bool) -> dict[str, float]:
+    """Create, map, prefault and pin ``slots`` copies of ``sizes`` the way daemon and client
+    do (the client's pieces: ``staging._pieces``), then undo it all; seconds per step."""
+    every = sizes * slots
     lock = instance.InstanceLock.claim()  # no daemon reaps these segments meanwhile
     refs: list[segment.SegmentRef | None] = [None] * len(every)
     regions: list[segment.Region] = []
@@ -54,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             def make(index: int) -> None:
                 refs[index] = segment.create(lock.instance, every[index])
 
-            segment.in_parallel(every, make, args.threads)
+            segment.in_parallel(every, make, threads)
 
         def map_all() -> None:
-            for slot in range(args.slots):
+            for slot in range(slots):
                 region = segment.Region(sizes)
                 regions.append(region)
                 for index in range(len(sizes)):
@@ -69,25 +99,35 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         os.close(fd)
 
-        pieces: list[torch.Tensor] = []
+        pieces = []
 
         def prefault() -> None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for region in regions:
-                    whole = torch.frombuffer(region.buffer(), dtype=torch.uint8, count=region.size)
-                    pieces.append(whole)
-            segment.in_parallel(
-                [piece.numel() for piece in pieces],
-                lambda i: pinning.prefault(pieces[i]),
-                args.threads,
-            )
+            pieces.extend(piece for region in regions for piece in _pieces(region))
+            if touch:
+                segment.in_parallel(
+                    [piece.numel() for piece in pieces],
+                    lambda i: pinning.prefault(pieces[i]),
+                    threads,
+                )
+
+        def register() -> None:
+            def pin(index: int) -> None:
+                piece = pieces[index]
+                pinning.register_range(
+                    piece.data_ptr(),
+                    piece.numel(),
+                    pinning.HOST_REGISTER_PORTABLE,
+                    pinned._bases,
+                )
+
+            segment.in_parallel([piece.numel() for piece in pieces], pin, threads)
 
         timed(steps, "create + fallocate (daemon)", create)
         timed(steps, "map (client)", map_all)
-        timed(steps, "prefault (client)", prefault)
+        timed(steps, "prefault (client)" if touch else "pieces (client)", prefault)
         if torch.cuda.is_available():
-            timed(steps, "prefault + cudaHostRegister (client)", lambda: pinned.register(pieces))
+            timed(steps, "cudaHostRegister (client)", register)
+        steps["total"] = sum(steps.values())
     finally:
         pinned.release()
         for region in regions:
@@ -96,14 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             if ref is not None:
                 segment.unlink(ref.name)
         lock.release()
-    gib = total / 2**30
-    print(
-        f"{format_size(total)} x {args.slots} slot(s) in {args.tensors} tensors, up to "
-        f"{args.threads} setup thread(s)"
-    )
-    for name, seconds in steps.items():
-        print(f"  {name:<40}{seconds:>8.3f} s {seconds / gib:>8.3f} s/GiB of state")
-    return 0
+    return steps
 
 
 if __name__ == "__main__":

@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1 and per_job:
         print("per job (last run), s: " + ", ".join(f"{s:.2f}" for s in per_job))
     if args.json:
-        args.json.write_text(json.dumps({"bytes": nbytes, "args": vars(args), "rows": rows},
-                                        default=str, indent=1))
+        args.json.write_text(
+            json.dumps({"bytes": nbytes, "args": vars(args), "rows": rows}, default=str, indent=1)
+        )
     return 0
 
 

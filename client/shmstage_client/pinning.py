@@ -28,17 +28,10 @@ import torch
 from shmstage import segment
 
 #: Pinned for every CUDA context in the process, not only the current device's.
-_HOST_REGISTER_PORTABLE: Final = 0x01
-#: The device only reads the range (cudaHostRegisterReadOnly): what registering a
-#: PROT_READ mapping needs, as restoring from the daemon's read-only segments does.
-HOST_REGISTER_READ_ONLY: Final = 0x08
+HOST_REGISTER_PORTABLE: Final = 0x01
 #: Well below the 512 GiB at which a single registration fails.
 MAX_REGISTER_BYTES: Final = 256 << 30
 _PAGE: Final = mmap.PAGESIZE
-_MADV_POPULATE_READ: Final = 22
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 class PinError(RuntimeError):
@@ -108,7 +101,7 @@ class PinnedRanges:
             if buffer.numel() == 0:
                 return
             prefault(buffer)
-            register_range(buffer.data_ptr(), buffer.numel(), _HOST_REGISTER_PORTABLE, self._bases)
+            register_range(buffer.data_ptr(), buffer.numel(), HOST_REGISTER_PORTABLE, self._bases)
 
         try:
             segment.in_parallel([buffer.numel() for buffer in buffers], pin)
@@ -155,19 +148,6 @@ def unregister(bases: list[int]) -> list[str]:
             failures.append(runtime.error(code))
     bases.clear()
     return failures
-
-
-def prefault_read(address: int, size: int) -> None:
-    """Fill the page table of a read-only mapping before registering it (the read twin of
-    ``prefault``): ``MADV_POPULATE_READ``, else one read per page."""
-    if size == 0:
-        return
-    start = address - address % _PAGE
-    if _libc.madvise(start, size + address - start, _MADV_POPULATE_READ) == 0:
-        return
-    ctypes.string_at(start, 1)
-    for page in range(start + _PAGE, address + size, _PAGE):
-        ctypes.string_at(page, 1)
 
 
 def prefault(buffer: torch.Tensor) -> None:

@@ -211,7 +211,7 @@ CASES = {
 def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    monkeypatch.setattr(reading, "FILE_CHUNK", 4096)  # tensors span chunks and threads
+    monkeypatch.setattr(reading, "CHUNK", 4096)  # tensors span chunks and threads
     data, placements = _packed(CASES)
     path = tmp_path / "data"
     path.write_bytes(b"H" * 100 + data)
@@ -234,7 +234,7 @@ def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
 def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(reading, "MAPPED_CHUNK", 8192)
+    monkeypatch.setattr(reading, "CHUNK", 8192)
     data, placements = _packed(CASES)
     buffer = ctypes.create_string_buffer(data, len(data))
     source = MappedSource(ctypes.addressof(buffer), len(data), "a test buffer")
@@ -242,3 +242,12 @@ def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
     assert_same(got, CASES, key_order=False)
     buffer[0] = b"\x00"  # the source changes afterwards: the result is a copy of its own
     assert_same(got, CASES, key_order=False)
+
+
+def test_mapped_bytes_are_read_into_a_staging_buffer_exactly() -> None:
+    """What a device restore does with each chunk of the daemon's mapped segments."""
+    mapped = ctypes.create_string_buffer(b"0123456789")
+    source = MappedSource(ctypes.addressof(mapped), 10, "b")
+    staging = bytearray(b"..........")
+    source.read_into(3, memoryview(staging)[2:6])
+    assert staging == b"..3456...."

@@ -1,0 +1,155 @@
+"""How fast a restarted trainer can bring the daemon's retained segments to the GPU.
+
+A restore from memory maps a slot's segments read-only (retained by the daemon: their
+pages exist) and moves them to the device through pinned staging buffers, verifying every
+tensor's CRC-32C (``reading.transfer``). This times it against the raw pinned
+host-to-device copy of the same bytes, measured in the same run, on a synthetic layout held
+in real POSIX segments (each run maps them afresh, as a restarted process does), with the
+thread count and chunk size varied around the defaults.
+
+    python3 scripts/memory_read_bench.py --size 8GiB --tensors 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import crc32c
+import torch
+from shmstage_client import reading
+
+from shmstage import instance, segment
+from shmstage.units import format_size, parse_size
+
+
+def sizes_of(total: int, count: int, seed: int) -> list[int]:
+    """``count`` sizes (multiples of 64 bytes, log-uniform weights) summing to ``total``."""
+    rng = random.Random(seed)
+    weights = [2 ** rng.uniform(0, 16) for _ in range(count)]
+    scale = total / sum(weights)
+    sizes = [max(64, int(w * scale) // 64 * 64) for w in weights]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1GiB")
+    parser.add_argument("--tensors", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    device = torch.device("cuda")
+    total = parse_size(args.size)
+    sizes = sizes_of(total, args.tensors, args.seed)
+    lock = instance.InstanceLock.claim()
+    refs: list[segment.SegmentRef] = []
+    results: dict[str, list[float]] = {}
+    try:
+        started = time.perf_counter()
+        for size in sizes:
+            refs.append(segment.create(lock.instance, size))
+        created = time.perf_counter() - started
+        layout = segment.Region(sizes)
+        crcs = []
+        generator = torch.Generator().manual_seed(args.seed)
+        for index, ref in enumerate(refs):
+            fd = segment.open_fd(ref, writable=True)
+            try:
+                layout.map(index, fd, writable=True)
+            finally:
+                os.close(fd)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                view = torch.frombuffer(layout.buffer(index), dtype=torch.uint8, count=sizes[index])
+            view.copy_(
+                torch.randint(
+                    0, 256, (min(sizes[index], 1 << 20),), dtype=torch.uint8, generator=generator
+                ).repeat(-(-sizes[index] // (1 << 20)))[: sizes[index]]
+            )
+            crcs.append(crc32c.crc32c(memoryview(layout.buffer(index))[: sizes[index]]))
+        offsets = layout.offsets
+        layout.close()
+        print(f"{format_size(total)} in {len(sizes)} segments (created in {created:.2f} s)")
+        placements = [
+            reading.Placement(f"t{i}", torch.uint8, (sizes[i],), offset, sizes[i], crcs[i])
+            for i, offset in enumerate(offsets)
+        ]
+
+        def h2d() -> float:
+            chunk = min(total, 1 << 30)
+            pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+            target = torch.empty(chunk, dtype=torch.uint8, device=device)
+            target.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+            begun = time.perf_counter()
+            for _ in range(-(-total // chunk)):
+                target.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+            return time.perf_counter() - begun
+
+        def restore(threads: int, verify: bool = True, chunk: int = 0) -> Callable[[], float]:
+            def run() -> float:
+                saved = reading.CHUNK
+                reading.CHUNK = chunk or saved
+                begun = time.perf_counter()
+                region = segment.Region(sizes)
+                try:
+                    for index, ref in enumerate(refs):
+                        fd = segment.open_fd(ref, writable=False)
+                        try:
+                            region.map(index, fd, writable=False)
+                        finally:
+                            os.close(fd)
+                    source = reading.MappedSource(region.address, region.size, "bench")
+                    reading.transfer(source, placements, device, verify=verify, threads=threads)
+                    torch.cuda.synchronize()
+                    return time.perf_counter() - begun
+                finally:
+                    region.close()
+                    reading.CHUNK = saved
+
+            return run
+
+        default = reading.MAX_THREADS
+        variants: dict[str, Callable[[], float]] = {
+            "raw pinned H2D (limit)": h2d,
+            f"restore, {default} threads (default)": restore(default),
+            f"restore, {default} threads, verify=False": restore(default, verify=False),
+            "restore, 8 threads": restore(8),
+            "restore, 16 MiB chunks": restore(default, chunk=16 << 20),
+            "restore, 64 MiB chunks": restore(default, chunk=64 << 20),
+        }
+        for name, run in variants.items():
+            try:
+                results[name] = [run() for _ in range(args.repeats)]
+            except Exception as exc:  # a failed variant is a row, not the end of the run
+                print(f"  {name}: failed: {exc!r}")
+        limit = statistics.median(results["raw pinned H2D (limit)"])
+        for name, samples in results.items():
+            median = statistics.median(samples)
+            print(
+                f"  {name:<44}{median:>8.3f} s {total / median / 1e9:>7.2f} GB/s "
+                f"{median / limit:>6.2f}x limit  (samples "
+                + ", ".join(f"{s:.3f}" for s in samples)
+                + ")"
+            )
+    finally:
+        for ref in refs:
+            segment.unlink(ref.name)
+        lock.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
