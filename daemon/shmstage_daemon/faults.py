@@ -38,6 +38,7 @@ ENV: Final = "SHMSTAGE_FAULT"
 #: silently healthy daemon that makes a fault test pass for the wrong reason.
 POINTS: Final = frozenset(
     {
+        "started",  # in the main thread, once start-up logged "listening on", before the loop
         "register",  # in the I/O thread, after a layout's segments exist, before the reply
         "mid-stream",  # in the writer, after the first tensor of a data file is written
         "before-manifest",  # in the writer, after the data file has its final name

@@ -27,7 +27,7 @@ from shmstage_daemon.config import Config, ConfigError, load_config
 from shmstage_daemon.notify import Notifier, listen_fds, unix_stream_listener
 from shmstage_daemon.retention import RetentionPolicy
 from shmstage_daemon.server import Daemon, Settings, StartupError
-from shmstage_daemon.service import Service
+from shmstage_daemon.service import EarlySignals, Service
 from shmstage_daemon.store import Limits
 
 log = logging.getLogger("shmstaged")
@@ -407,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check_config:
         print(describe(config))
         return 0
+    early = EarlySignals()  # a stop or reload during start-up waits for the loop
     logsetup.configure(config.log_level, config.log_format)
     for warning in config.warnings:
         log.warning("%s", warning)
@@ -418,7 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return EXIT_STARTUP
     service = Service(
-        daemon, notifier, config, functools.partial(load, args.config, overrides), settings_of
+        daemon,
+        notifier,
+        config,
+        functools.partial(load, args.config, overrides),
+        settings_of,
+        early,
     )
     status = asyncio.run(service.run())
     if daemon.abandoned_writers:

@@ -248,6 +248,7 @@ class Daemon:
             self.journal_kind,
             self.settings.allowlist.describe(),
         )
+        faults.pause("started")
 
     def _adopt_predecessors(self) -> list[journal.Entry]:
         """Load what dead daemons on this socket still owe, from their own journals.

@@ -39,6 +39,24 @@ _HTTP_READ_TIMEOUT_S: Final = 5.0
 _HTTP_MAX_HEADER_BYTES: Final = 16 * 1024
 
 
+class EarlySignals:
+    """Signals that arrive while the daemon starts, before its event loop handles them.
+
+    Start-up (journal adoption, reaping, binding) runs before the loop, and a
+    ``systemctl stop`` or Ctrl-C can land there: with Python's defaults a SIGINT raises
+    wherever start-up happens to be, and a SIGHUP kills the process. Installed first
+    thing, this only notes them; ``Service.run`` acts on them once it can stop cleanly.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+
+
 class Service:
     def __init__(
         self,
@@ -47,7 +65,9 @@ class Service:
         config: Config,
         load: Callable[[], Config],
         to_settings: Callable[[Config], Settings],
+        early: EarlySignals | None = None,
     ) -> None:
+        self.early = early
         self.daemon = daemon
         self.notifier = notifier
         self.config = config
@@ -64,6 +84,12 @@ class Service:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        if self.early is not None and self.early.received:
+            log.info("acting on signal(s) received while starting: %s", self.early.received)
+            if signal.SIGHUP in self.early.received:
+                self.request_reload()
+            if {signal.SIGTERM, signal.SIGINT} & set(self.early.received):
+                self.stop()
         interval = self.notifier.watchdog_interval()
         if interval is not None:
             self._tasks.append(loop.create_task(watchdog_loop(self.notifier, interval)))

@@ -216,6 +216,25 @@ def test_sigint_also_stops_cleanly(daemon) -> None:
     assert "stopped" in daemon.log()
 
 
+@pytest.mark.parametrize("signals", [[signal.SIGINT], [signal.SIGHUP, signal.SIGTERM]])
+def test_a_signal_during_start_up_is_acted_on_once_the_daemon_can(
+    tmp_path: Path, signals: list[int]
+) -> None:
+    """Start-up logs "listening on" before its event loop handles signals: a stop (or a
+    reload) that lands in between waits for the loop, and the daemon stops cleanly."""
+    daemon = start_daemon(tmp_path, env={"SHMSTAGE_FAULT": "pause-started:1"})
+    try:
+        wait_for(lambda: "fault: pausing at started" in daemon.log(), 10, "the start-up pause")
+        for signum in signals:
+            daemon.proc.send_signal(signum)
+        assert daemon.proc.wait(30) == 0, daemon.log()
+        assert "acting on signal(s) received while starting" in daemon.log()
+        assert "stopped" in daemon.log()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+
+
 def test_a_second_daemon_refuses_a_live_socket(daemon, tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "shmstage_daemon.main", "--socket", str(daemon.socket)],
