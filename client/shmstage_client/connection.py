@@ -99,6 +99,13 @@ def receivable_fds() -> int:
     return min(MAX_FDS_PER_FRAME, free)
 
 
+def can_hold_fds(count: int) -> bool:
+    """Whether this process can keep ``count`` more descriptors open for a while and still
+    receive the daemon's batches and open files freely (at most half of what is left)."""
+    soft, in_use = _descriptors()
+    return count <= (soft - in_use - FD_HEADROOM) // 2 - MAX_FDS_PER_FRAME
+
+
 def _truncated_fds_message(received: int) -> str:
     """The kernel drops descriptors it cannot install: say so, not 'protocol error'."""
     soft, in_use = _descriptors()

@@ -1,25 +1,29 @@
-"""A checkpoint in the daemon's memory, leased and mapped read-only into this process.
+"""A checkpoint in the daemon's memory, leased read-only by this process.
 
 The daemon answers a ``lease`` (this exact checkpoint: its data file's descriptor and its
 manifest's digest) or a ``latest`` (this user's newest) with the slot's segments as
-read-only descriptors. They are mapped ``PROT_READ`` back to back in one address range
-(``segment.Region``) and closed at once. While the lease holds, the daemon never refills
-the slot, so what is read cannot change; ``end()`` says whether the lease still held when
-the reading was done (it expires after the seconds the daemon granted, and dies with the
-connection).
+read-only descriptors. A reader that copies everything (``restore``) keeps the
+descriptors and reads through them (``reading.SegmentSource``) when this process can hold
+that many; otherwise, and for readers that want views (DCP), they are mapped ``PROT_READ``
+back to back in one address range (``segment.Region``) and closed at once. While the lease
+holds, the daemon never refills the slot, so what is read cannot change; ``end()`` says
+whether the lease still held when the reading was done (it expires after the seconds the
+daemon granted, and dies with the connection).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
 from shmstage import segment
-from shmstage_client.connection import DaemonConnection, receivable_fds
+from shmstage_client.connection import DaemonConnection, can_hold_fds, receivable_fds
 from shmstage_client.errors import DaemonLost, SaveError
+from shmstage_client.reading import MappedSource, SegmentSource, Source
 
 #: Seconds to wait for the daemon's answers (it maps nothing; this bounds a hung daemon).
 REQUEST_TIMEOUT: Final = 30.0
@@ -34,8 +38,10 @@ class MemoryLease:
         self.body = body
         self.id: int = body["lease"]
         self.sizes: list[int] = _sizes(body)
-        self.region = segment.Region(self.sizes)
+        self.region = segment.Region(self.sizes)  # offsets; mapped only without ``fds``
         self._mapped_range = True
+        #: The segments' descriptors, when kept instead of mapped (``take(keep_fds=True)``).
+        self.fds: list[int] | None = None
         self._ended = False
 
     @classmethod
@@ -47,9 +53,12 @@ class MemoryLease:
         fds: Sequence[int] = (),
         *,
         timeout: float = REQUEST_TIMEOUT,
+        keep_fds: bool = False,
     ) -> MemoryLease:
-        """Ask for a lease (``op``: "lease" or "latest") and map what comes back; raises
-        DaemonRefused ("not_retained" and others) or DaemonLost."""
+        """Ask for a lease (``op``: "lease" or "latest") and map what comes back — or, with
+        ``keep_fds`` and room for them in this process, keep the descriptors (``source``
+        reads through them); raises DaemonRefused ("not_retained" and others) or
+        DaemonLost."""
         handle = connection.start(op, {**body, "max_fds": receivable_fds()}, fds)
         lease: MemoryLease | None = None
         try:
@@ -61,17 +70,29 @@ class MemoryLease:
             except (ValueError, segment.SegmentError):
                 connection.post("unlease", {"lease": reply.body["lease"]})
                 raise
-            mapped = 0
-            while mapped < len(lease.sizes):
+            if keep_fds and can_hold_fds(len(lease.sizes)):
+                lease.fds = []
+            received = 0
+            while received < len(lease.sizes):
                 frame = handle.next(timeout)
+                kept = 0
                 try:
-                    if frame.op != "lease_fds" or frame.body["first"] != mapped:
+                    if frame.op != "lease_fds" or frame.body["first"] != received:
                         raise DaemonLost(f"unexpected {frame.op} while receiving a lease")
-                    for fd in frame.fds:
-                        lease.region.map(mapped, fd, writable=False)
-                        mapped += 1
+                    if received + len(frame.fds) > len(lease.sizes):
+                        raise DaemonLost("shmstaged sent more segments than it leased")
+                    if lease.fds is not None:
+                        for fd in frame.fds:
+                            _check_size(fd, lease.region.sizes[received + kept])
+                            lease.fds.append(fd)
+                            kept += 1
+                    else:
+                        for fd in frame.fds:
+                            lease.region.map(received, fd, writable=False)
+                            received += 1
+                    received += kept
                 finally:
-                    for fd in frame.fds:
+                    for fd in frame.fds[kept:]:
                         os.close(fd)
         except BaseException:
             if lease is not None:
@@ -83,7 +104,15 @@ class MemoryLease:
 
     @property
     def address(self) -> int:
+        if self.fds is not None:
+            raise ValueError("this lease kept its descriptors: read through source()")
         return self.region.address
+
+    def source(self, where: str) -> Source:
+        """The leased bytes, for ``reading.transfer``, at ``offsets()``."""
+        if self.fds is not None:
+            return SegmentSource(self.fds, self.region.offsets, self.region.sizes, where)
+        return MappedSource(self.region.address, self.region.size, where)
 
     def offsets(self) -> list[int]:
         """Where each segment starts in the mapped range (page aligned)."""
@@ -110,9 +139,22 @@ class MemoryLease:
             self._ended = True
             with contextlib.suppress(SaveError, OSError):
                 self.connection.post("unlease", {"lease": self.id})
+        if self.fds is not None:
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
         if self._mapped_range:
             self._mapped_range = False  # twice would unmap whatever was mapped there since
             threading.Thread(target=self.region.close, name="shmstage-unmap", daemon=True).start()
+
+
+def _check_size(fd: int, size: int) -> None:
+    """A kept segment must hold its bytes, as ``Region.map`` checks a mapped one."""
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise segment.SegmentError(
+            errno.EINVAL, f"segment is {actual} bytes but {size} were expected"
+        )
 
 
 def _sizes(body: dict[str, Any]) -> list[int]:

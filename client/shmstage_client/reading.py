@@ -111,6 +111,34 @@ class FileSource(Source):
         _pread_exactly(self.fd, buffer, self.offset + start, self.where)
 
 
+class SegmentSource(Source):
+    """Shared-memory segments read through their descriptors, laid out at ``offsets``
+    (page-aligned, as ``segment.Region`` would map them; the gaps are never read).
+
+    ``preadv`` copies a segment's pages straight out of the page cache: no page tables to
+    fill while reading, none to tear down after (unmapping an 8 GiB mapping read end to
+    end took 0.1-0.5 s on the H100 host, and blocks the process's page faults meanwhile).
+    """
+
+    def __init__(
+        self, fds: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], where: str
+    ) -> None:
+        self.fds, self.offsets, self.sizes = list(fds), list(offsets), list(sizes)
+        self.where = where
+        self.size = (self.offsets[-1] + self.sizes[-1]) if self.offsets else 0
+
+    def read_into(self, start: int, buffer: memoryview) -> None:
+        end = start + len(buffer)
+        index = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        while index < len(self.offsets) and self.offsets[index] < end:
+            base = self.offsets[index]
+            lo, hi = max(start, base), min(end, base + self.sizes[index])
+            if hi > lo:
+                piece = buffer[lo - start : hi - start]
+                _pread_exactly(self.fds[index], piece, lo - base, self.where)
+            index += 1
+
+
 def _pread_exactly(fd: int, buffer: memoryview, offset: int, where: str) -> None:
     done = 0
     while done < len(buffer):

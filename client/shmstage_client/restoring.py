@@ -34,7 +34,7 @@ from shmstage_client.connection import DaemonConnection
 from shmstage_client.errors import SaveError
 from shmstage_client.lease import MemoryLease
 from shmstage_client.loading import CheckpointFiles, torch_dtype, unflatten
-from shmstage_client.reading import MappedSource, Placement, transfer
+from shmstage_client.reading import Placement, transfer
 
 log = logging.getLogger("shmstage.client")
 
@@ -220,7 +220,7 @@ def _exact(
     names = list(files.manifest.files)
     if len(names) != 1:
         raise NotInMemory(f"{len(names)} data files; the daemon holds single-file checkpoints")
-    lease = lease_exact(connection, files, names[0])
+    lease = lease_exact(connection, files, names[0], keep_fds=True)
     try:
         tensors = _read(lease, specs_of(files, names[0]), device, verify)
     finally:
@@ -228,12 +228,17 @@ def _exact(
     return files.state(tensors), sum(lease.sizes), lease.body["job"]
 
 
-def lease_exact(connection: DaemonConnection, files: CheckpointFiles, name: str) -> MemoryLease:
+def lease_exact(
+    connection: DaemonConnection, files: CheckpointFiles, name: str, *, keep_fds: bool = False
+) -> MemoryLease:
     """Lease the checkpoint ``files`` opened, by its data file ``name`` (the descriptor
-    proves this process may read it) and its manifest's digest."""
+    proves this process may read it) and its manifest's digest; ``keep_fds`` as in
+    ``MemoryLease.take``."""
     fd, _ = files.open_data(name)
     try:
-        return MemoryLease.take(connection, "lease", {"digest": digest(files.document)}, [fd])
+        return MemoryLease.take(
+            connection, "lease", {"digest": digest(files.document)}, [fd], keep_fds=keep_fds
+        )
     finally:
         os.close(fd)
 
@@ -265,9 +270,7 @@ def _read(
     NotInMemory when the lease expired before the copy was done (it may be torn)."""
     placements = placements_of(lease, specs)
     where = f"shmstaged's memory (job {lease.body['job']}, {lease.body['directory']})"
-    tensors = transfer(
-        MappedSource(lease.address, lease.region.size, where), placements, device, verify=verify
-    )
+    tensors = transfer(lease.source(where), placements, device, verify=verify)
     if not lease.end():
         raise NotInMemory("the lease on the daemon's memory expired before the copy was done")
     return tensors
@@ -290,7 +293,7 @@ def _latest(
         except OSError as exc:
             raise CheckpointError(f"latest(under={str(under)!r}): {exc.strerror}") from None
     try:
-        lease = MemoryLease.take(connection, "latest", body, fds)
+        lease = MemoryLease.take(connection, "latest", body, fds, keep_fds=True)
     finally:
         for fd in fds:
             os.close(fd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -60,6 +61,41 @@ def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
         assert restored(ckpt / "c2", daemon).source == "memory"
         assert restored(ckpt / "c2", daemon, source="files").source == "files"
         assert_same(load(ckpt / "c3", socket=daemon.socket), state(3))
+
+
+def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore keeps the leased segments' descriptors and reads through them when the
+    process has room for them; with a low RLIMIT_NOFILE it maps them instead. Either way
+    the bytes are exact and no descriptor is left open."""
+    from shmstage_client import lease as lease_module
+
+    many = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(300)}
+    kept: list[bool] = []
+    take = lease_module.MemoryLease.take.__func__
+
+    def spying(cls, *args, **kwargs):
+        got = take(cls, *args, **kwargs)
+        kept.append(got.fds is not None)
+        return got
+
+    monkeypatch.setattr(lease_module.MemoryLease, "take", classmethod(spying))
+    with Stager(daemon.socket) as stager:
+        stager.save(many, ckpt / "many").wait(60)
+        before = len(os.listdir("/proc/self/fd"))
+        through_fds = restored(ckpt / "many", daemon)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (before + 200, hard))
+        try:
+            mapped = restored(ckpt / "many", daemon)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert len(os.listdir("/proc/self/fd")) <= before
+    assert kept == [True, False]
+    for got in (through_fds, mapped):
+        assert got.source == "memory"
+        assert_same(got.state, many)
 
 
 def test_a_changed_manifest_or_data_file_is_not_the_checkpoint_in_memory(
