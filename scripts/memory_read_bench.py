@@ -1,10 +1,11 @@
 """How fast a restarted trainer can bring the daemon's retained segments to the GPU.
 
-A restore from memory maps a slot's segments read-only (retained by the daemon: their
-pages exist) and moves them to the device through pinned staging buffers, verifying every
-tensor's CRC-32C (``reading.transfer``). This times it against the raw pinned
-host-to-device copy of the same bytes, measured in the same run, on a synthetic layout held
-in real POSIX segments (each run maps them afresh, as a restarted process does), with the
+A restore from memory reads a slot's segments (retained by the daemon: their pages exist)
+through read-only descriptors — or, where the process cannot hold that many, a read-only
+mapping — into pinned staging buffers and on to the device, verifying every tensor's
+CRC-32C (``reading.transfer``). This times both against the raw pinned host-to-device copy
+of the same bytes, measured in the same run, on a synthetic layout held in real POSIX
+segments (each run opens or maps them afresh, as a restarted process does), with the
 thread count and chunk size varied around the defaults.
 
     python3 scripts/memory_read_bench.py --size 8GiB --tensors 500
@@ -98,6 +99,21 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             return time.perf_counter() - begun
 
+        def through_fds(threads: int, verify: bool = True) -> Callable[[], float]:
+            def run() -> float:
+                begun = time.perf_counter()
+                fds = [segment.open_fd(ref, writable=False) for ref in refs]
+                try:
+                    source = reading.SegmentSource(fds, offsets, sizes, "bench")
+                    reading.transfer(source, placements, device, verify=verify, threads=threads)
+                    torch.cuda.synchronize()
+                    return time.perf_counter() - begun
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+            return run
+
         def restore(threads: int, verify: bool = True, chunk: int = 0) -> Callable[[], float]:
             def run() -> float:
                 saved = reading.CHUNK
@@ -124,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         default = reading.MAX_THREADS
         variants: dict[str, Callable[[], float]] = {
             "raw pinned H2D (limit)": h2d,
-            f"restore, {default} threads (default)": restore(default),
-            f"restore, {default} threads, verify=False": restore(default, verify=False),
-            "restore, 8 threads": restore(8),
-            "restore, 16 MiB chunks": restore(default, chunk=16 << 20),
-            "restore, 64 MiB chunks": restore(default, chunk=64 << 20),
+            f"descriptors, {default} threads (default)": through_fds(default),
+            f"descriptors, {default} threads, verify=False": through_fds(default, verify=False),
+            f"mapped, {default} threads": restore(default),
+            "descriptors, 8 threads": through_fds(8),
+
         }
         for name, run in variants.items():
             try:
