@@ -6,7 +6,7 @@ mapping — into pinned staging buffers and on to the device, verifying every te
 CRC-32C (``reading.transfer``). This times both against the raw pinned host-to-device copy
 of the same bytes, measured in the same run, on a synthetic layout held in real POSIX
 segments (each run opens or maps them afresh, as a restarted process does), with the
-thread count and chunk size varied around the defaults.
+thread count and verification varied around the defaults.
 
     python3 scripts/memory_read_bench.py --size 8GiB --tensors 500
 """
@@ -40,6 +40,18 @@ def sizes_of(total: int, count: int, seed: int) -> list[int]:
     return sizes
 
 
+def mapped(refs: list[segment.SegmentRef], sizes: list[int], *, writable: bool) -> segment.Region:
+    """Every segment mapped back to back, as a client maps a layout or a lease."""
+    region = segment.Region(sizes)
+    for index, ref in enumerate(refs):
+        fd = segment.open_fd(ref, writable=writable)
+        try:
+            region.map(index, fd, writable=writable)
+        finally:
+            os.close(fd)
+    return region
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="1GiB")
@@ -61,15 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             refs.append(segment.create(lock.instance, size))
         created = time.perf_counter() - started
-        layout = segment.Region(sizes)
+        layout = mapped(refs, sizes, writable=True)
         crcs = []
         generator = torch.Generator().manual_seed(args.seed)
-        for index, ref in enumerate(refs):
-            fd = segment.open_fd(ref, writable=True)
-            try:
-                layout.map(index, fd, writable=True)
-            finally:
-                os.close(fd)
+        for index in range(len(refs)):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 view = torch.frombuffer(layout.buffer(index), dtype=torch.uint8, count=sizes[index])
@@ -114,26 +121,17 @@ def main(argv: list[str] | None = None) -> int:
 
             return run
 
-        def restore(threads: int, verify: bool = True, chunk: int = 0) -> Callable[[], float]:
+        def restore(threads: int, verify: bool = True) -> Callable[[], float]:
             def run() -> float:
-                saved = reading.CHUNK
-                reading.CHUNK = chunk or saved
                 begun = time.perf_counter()
-                region = segment.Region(sizes)
+                region = mapped(refs, sizes, writable=False)
                 try:
-                    for index, ref in enumerate(refs):
-                        fd = segment.open_fd(ref, writable=False)
-                        try:
-                            region.map(index, fd, writable=False)
-                        finally:
-                            os.close(fd)
                     source = reading.MappedSource(region.address, region.size, "bench")
                     reading.transfer(source, placements, device, verify=verify, threads=threads)
                     torch.cuda.synchronize()
                     return time.perf_counter() - begun
                 finally:
                     region.close()
-                    reading.CHUNK = saved
 
             return run
 
@@ -144,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
             f"descriptors, {default} threads, verify=False": through_fds(default, verify=False),
             f"mapped, {default} threads": restore(default),
             "descriptors, 8 threads": through_fds(8),
-
         }
         for name, run in variants.items():
             try:
