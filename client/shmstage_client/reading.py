@@ -1,13 +1,14 @@
 """Bytes to tensors on a device: large pieces, several threads, verified as they pass.
 
-Restoring a checkpoint moves its bytes from host memory — a read-only mapping of the
-daemon's segments, or a data file's pages — to a device, and checks every tensor against the
-CRC-32C its manifest recorded. Tensor by tensor, on one thread, that runs at the speed of
-one core and of one small copy at a time (a 4 GiB ``load()`` reached 4 GB/s to an H200).
+Restoring a checkpoint moves its bytes from host memory — the daemon's segments, read
+through their descriptors or mapped read-only, or a data file's pages — to a device, and
+checks every tensor against the CRC-32C its manifest recorded. Tensor by tensor, on one
+thread, that runs at the speed of one core and of one small copy at a time (a 4 GiB
+``load()`` reached 4 GB/s to an H200).
 
 Here the source is cut into chunks of a few tens of MiB. Several threads each take the
-next chunk, copy it into one of a few pinned buffers (for a file, a read; for the daemon's
-segments mapped read-only, a memcpy; on the CPU, straight into the destination),
+next chunk, copy it into one of a few pinned buffers (for a file or the segments'
+descriptors, a read; for a mapping, a memcpy; on the CPU, straight into the destination),
 checksum the parts of tensors it holds, and queue its copy to the device on one stream.
 The tensors come back as views of one destination buffer at their offsets (a tensor that
 is not aligned for its dtype there gets its own copy). A tensor's checksum is combined
