@@ -69,6 +69,10 @@ class RunningDaemon:
         return self.proc.wait(timeout)
 
 
+#: What shmstaged logs once its event loop serves (``Service.run``).
+READY_LINE = "ready: serving "
+
+
 def start_daemon(
     tmp: Path,
     *extra: str,
@@ -76,11 +80,14 @@ def start_daemon(
     log_name: str = "shmstaged.log",
     prefix: Sequence[str] = (),
     socket: Path | None = None,
+    ready: bool = True,
 ) -> RunningDaemon:
     """Start shmstaged on ``tmp/shmstaged.sock`` (or ``socket``), logging to ``tmp``; a
     restart on the same ``tmp`` reuses the socket (and so finds its predecessor's journal)
     — give it another ``log_name`` to keep the first log. ``prefix`` runs the daemon under
-    a wrapper (``unshare ...``) that must exec it."""
+    a wrapper (``unshare ...``) that must exec it. Returns once the daemon logged that it
+    serves (its event loop running: descriptor counts and signals are then what they stay
+    at), or with ``ready=False`` as soon as start-up logged "listening on", before that."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock = socket or tmp / "shmstaged.sock"
     log_path = tmp / log_name
@@ -97,8 +104,8 @@ def start_daemon(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"shmstaged exited with {proc.returncode}:\n{daemon.log()}")
-        if "listening on" in daemon.log():
-            text = daemon.log()
+        text = daemon.log()
+        if "listening on" in text and (not ready or READY_LINE in text):
             daemon.instance = text.split("(instance ", 1)[1][:16]
             daemon.journal = Path(text.split(", journal ", 1)[1].split(" on ", 1)[0])
             return daemon

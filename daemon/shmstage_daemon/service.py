@@ -101,6 +101,9 @@ class Service:
         serving = loop.create_task(self.daemon.serve())
         self._last_status = self.daemon.status_line()
         self.notifier.ready(self._last_status)
+        # Start-up logged "listening on" before the loop existed; from here signals, the
+        # loop's own descriptors and every connection are handled (tests wait for this).
+        log.info("ready: serving %s", self.daemon.settings.socket_path)
         self._tasks.append(loop.create_task(self._status_loop()))
         try:
             await serving

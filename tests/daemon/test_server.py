@@ -222,7 +222,7 @@ def test_a_signal_during_start_up_is_acted_on_once_the_daemon_can(
 ) -> None:
     """Start-up logs "listening on" before its event loop handles signals: a stop (or a
     reload) that lands in between waits for the loop, and the daemon stops cleanly."""
-    daemon = start_daemon(tmp_path, env={"SHMSTAGE_FAULT": "pause-started:1"})
+    daemon = start_daemon(tmp_path, env={"SHMSTAGE_FAULT": "pause-started:1"}, ready=False)
     try:
         wait_for(lambda: "fault: pausing at started" in daemon.log(), 10, "the start-up pause")
         for signum in signals:

@@ -215,7 +215,7 @@ def start_daemon_as(
         text = daemon.log()[offset:]
         if proc.poll() is not None:
             raise RuntimeError(f"shmstaged exited with {proc.returncode}:\n{text}")
-        if "listening on" in text:
+        if "listening on" in text and "ready: serving " in text:
             daemon.instance = text.split("(instance ", 1)[1][:16]
             daemon.journal = Path(text.split(", journal ", 1)[1].split(" on ", 1)[0])
             sock.chmod(0o666)  # trainers reach it (the unit: group shmstage)
