@@ -176,6 +176,18 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
         time.sleep(0.02)
 
 
+def clone(state: object) -> object:
+    """A deep copy of a state dict's tensors (detached), the rest as it is: what a
+    checkpoint of it must equal."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: clone(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(clone(v) for v in state)
+    return state
+
+
 def assert_same(
     actual: object, expected: object, where: str = "state", *, key_order: bool = True
 ) -> None:

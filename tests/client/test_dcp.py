@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import CopyGate
+from client_helpers import CopyGate
 from harness import RunningDaemon, start_daemon
 from safetensors import safe_open
 from shmstage_client.dcp import (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SlowFilesystem
+from client_helpers import SlowFilesystem
 from harness import assert_same
 from shmstage_client import CheckpointExists, DestinationError, SaveError, Stager, load
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CopyGate
-from harness import assert_same, start_daemon, wait_for
+from client_helpers import CopyGate
+from harness import assert_same, clone, start_daemon, wait_for
 from shmstage_client import DaemonLost, Stager, load
 from shmstage_client.guard import Coverage
 
@@ -57,16 +57,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: i
 
 def state_of(model: Net, optimizer: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-
-
-def clone(state: object) -> object:
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: clone(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(clone(v) for v in state)
-    return state
 
 
 def test_the_step_right_after_a_non_blocking_save_changes_no_byte_of_it(daemon, ckpt) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_same, start_daemon
+from harness import assert_same, clone, start_daemon
 from safetensors import safe_open
 from shmstage_client import (
     CheckpointExists,
@@ -49,16 +49,6 @@ def train_state(seed: int = 0) -> dict:
             "flags": [True, False],
         },
     }
-
-
-def clone(state: object) -> object:
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: clone(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(clone(v) for v in state)
-    return state
 
 
 def test_model_and_optimizer_round_trip_bit_exact(daemon, ckpt: Path) -> None:

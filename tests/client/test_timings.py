@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SlowFilesystem
+from client_helpers import SlowFilesystem
 from harness import start_daemon
 from shmstage_client import SaveEvent, Stager
 

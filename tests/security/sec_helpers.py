@@ -93,6 +93,19 @@ def run_as(user: User, code: str, *, timeout: float = 120, env: dict | None = No
     return done.stdout
 
 
+def save_as(user: User, socket: object, path: str, numel: int = 8) -> str:
+    """``user`` saves one tensor of ``numel`` floats through the daemon at ``socket`` to
+    ``path`` and waits until it is durable; its stdout says SAVED when it was."""
+    return run_as(
+        user,
+        f"""
+        with Stager("{socket}") as stager:
+            stager.save({{"w": torch.ones({numel})}}, "{path}").wait(60)
+        say("SAVED")
+        """,
+    )
+
+
 class Actor:
     """A long-running process of ``user``; its printed lines, read as they come."""
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sec_helpers import Actor, User, run_as, status_latency
+from sec_helpers import Actor, User, run_as, save_as, status_latency
 
 from shmstage import checkpoint
 
@@ -185,14 +185,7 @@ def test_memory_floods_are_bounded(watched, victim: User, attacker: User, arena:
     )
     attack.wait_line("FLOODED", 120)
     peak = daemon.rss_bytes()
-    saved = run_as(
-        victim,
-        f"""
-        with Stager("{daemon.socket}") as stager:
-            stager.save({{"w": torch.ones(1 << 20)}}, "{arena}/{victim.name}/c").wait(60)
-        say("SAVED")
-        """,
-    )
+    saved = save_as(victim, daemon.socket, f"{arena}/{victim.name}/c", numel=1 << 20)
     assert "SAVED" in saved
     attack.finish(60)
     worst = float(latency.wait_line("WORST", 60).split()[1])
@@ -242,12 +235,5 @@ def test_connections_are_limited_per_user_and_idle_ones_dropped(
     dropped = float(out.split("IDLE_DROPPED_AFTER ")[1].split()[0])
     assert dropped < 15, out
     assert "no hello within 10 s" in daemon.log()
-    saved = run_as(
-        victim,
-        f"""
-        with Stager("{daemon.socket}") as stager:
-            stager.save({{"w": torch.ones(8)}}, "{arena}/{victim.name}/c").wait(60)
-        say("SAVED")
-        """,
-    )
+    saved = save_as(victim, daemon.socket, f"{arena}/{victim.name}/c")
     assert "SAVED" in saved

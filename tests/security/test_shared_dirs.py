@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from harness import wait_for
-from sec_helpers import Actor, User, run_as
+from sec_helpers import Actor, User, run_as, save_as
 
 from shmstage import segment
 
@@ -27,14 +27,7 @@ def test_a_planted_fifo_lock_neither_stops_the_daemon_nor_gc(
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert gc.returncode == 0, gc.stderr
-        out = run_as(
-            victim,
-            f"""
-            with Stager("{daemon.socket}") as stager:
-                stager.save({{"w": torch.ones(8)}}, "{arena}/{victim.name}/c").wait(60)
-            say("SAVED")
-            """,
-        )
+        out = save_as(victim, daemon.socket, f"{arena}/{victim.name}/c")
         assert "SAVED" in out
         assert os.path.exists(f"/dev/shm/shmstage.{fake}.lock")  # another user's: left alone
     finally:
