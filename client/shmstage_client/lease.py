@@ -75,22 +75,20 @@ class MemoryLease:
             received = 0
             while received < len(lease.sizes):
                 frame = handle.next(timeout)
-                kept = 0
+                kept = 0  # the lease owns these now; the rest are closed here
                 try:
                     if frame.op != "lease_fds" or frame.body["first"] != received:
                         raise DaemonLost(f"unexpected {frame.op} while receiving a lease")
                     if received + len(frame.fds) > len(lease.sizes):
                         raise DaemonLost("shmstaged sent more segments than it leased")
-                    if lease.fds is not None:
-                        for fd in frame.fds:
-                            _check_size(fd, lease.region.sizes[received + kept])
+                    for fd in frame.fds:
+                        if lease.fds is None:
+                            lease.region.map(received, fd, writable=False)
+                        else:
+                            _check_size(fd, lease.region.sizes[received])
                             lease.fds.append(fd)
                             kept += 1
-                    else:
-                        for fd in frame.fds:
-                            lease.region.map(received, fd, writable=False)
-                            received += 1
-                    received += kept
+                        received += 1
                 finally:
                     for fd in frame.fds[kept:]:
                         os.close(fd)
