@@ -113,7 +113,13 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"version": _INT, "client": _STR, "pid": _INT},
     # ``max_fds``: how many descriptors the client can take in one message (its free
     # descriptors, see RLIMIT_NOFILE); the daemon sends the segments in batches that size.
-    "register": {"tensors": _LIST, "slots": _INT, "max_fds": _INT},
+    # ``planned_slots``: the slots the client will have once it adds the others
+    # ("add_slots"): the limits must allow them now, and a retained layout this
+    # registration adopts keeps up to that many.
+    "register": {"tensors": _LIST, "slots": _INT, "max_fds": _INT, "planned_slots": _INT},
+    # More slots for a registered layout (up to ``slots`` in all): a client registers one
+    # slot for its first save and asks for the others once that save is on its way.
+    "add_slots": {"layout": _INT, "slots": _INT, "max_fds": _INT},
     "acquire": {"layout": _INT, "wait": _BOOL, "timeout": _NUM + _NONE},
     "cancel": {"layout": _INT, "slot": _INT},
     "commit": {
@@ -173,10 +179,20 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "restored": {"source": _STR, "seconds": _NUM, "bytes": _INT},
 }
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
-    "welcome": {"version": _INT, "daemon": _STR, "instance": _STR, "limits": _MAP},
+    # ``default_slots``: the slots a registration without ``slots`` gets.
+    "welcome": {
+        "version": _INT,
+        "daemon": _STR,
+        "instance": _STR,
+        "limits": _MAP,
+        "default_slots": _INT,
+    },
     # ``adopted``: segments taken over from a retained layout of the same user and
     # structure (none of them was created for this registration).
     "registered": {"layout": _INT, "slots": _INT, "segments": _INT, "adopted": _INT},
+    # Answers "add_slots": the layout's slots now, and how many new segments follow in
+    # "segment_fds" frames (``first`` counting from the first new one).
+    "slots_added": {"layout": _INT, "slots": _INT, "segments": _INT},
     "segment_fds": {"layout": _INT, "first": _INT},
     # ``leased``: the wait was (also) for a reader's lease on a free slot to end.
     "acquired": {"layout": _INT, "slot": _INT, "waited": _NUM, "leased": _BOOL},
@@ -236,7 +252,9 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "ready": frozenset({"stage_seconds", "slot_wait_seconds"}),
     # Without "slots" the daemon uses its configured default_slots; without "max_fds" it
     # sends as many descriptors per message as Linux allows.
-    "register": frozenset({"slots", "max_fds"}),
+    "register": frozenset({"slots", "max_fds", "planned_slots"}),
+    "add_slots": frozenset({"max_fds"}),
+    "welcome": frozenset({"default_slots"}),
     "report": frozenset(REPORT_PARTS),
     "lease": frozenset({"seconds", "max_fds"}),
     "latest": frozenset({"structure", "seconds", "max_fds"}),

@@ -210,6 +210,8 @@ class Region:
 
     def map(self, index: int, fd: int, *, writable: bool) -> None:
         """Map segment ``index`` from ``fd`` at its place; the descriptor may be closed."""
+        if not self.address:  # MAP_FIXED at an offset from 0 would clobber whatever is there
+            raise SegmentError(errno.EBADF, "cannot map a segment into a closed region")
         size = self.sizes[index]
         actual = os.fstat(fd).st_size
         if actual < size:

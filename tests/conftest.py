@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,13 +15,7 @@ from shmstage import instance, segment
 def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
     running = start_daemon(tmp_path)
     yield running
-    if running.proc.poll() is None:
-        running.proc.kill()
-        running.proc.wait(10)
-    for name in segment.list_names(running.instance):  # never leak into the next test
-        segment.unlink(name)
-    with contextlib.suppress(FileNotFoundError):  # a killed daemon's lock stays otherwise
-        os.unlink(instance.lock_path(running.instance))
+    running.discard()  # never leak segments or a lock file into the next test
 
 
 @pytest.fixture

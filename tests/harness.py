@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -20,6 +21,7 @@ from shmstage_daemon.admission import Peer
 from shmstage_daemon.job import Destination, PersistJob
 
 from shmstage import datafile, names, segment
+from shmstage.instance import lock_path
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
 
@@ -53,6 +55,17 @@ class RunningDaemon:
         """SIGKILL and reap: no handler runs, exactly like the OOM killer."""
         self.proc.kill()
         self.proc.wait(10)
+
+    def discard(self) -> None:
+        """Kill it if it still runs, and leave nothing of it for the next test: its
+        segments, and the lock file a killed daemon leaves behind."""
+        if self.proc.poll() is None:
+            self.kill()
+        for name in segment.list_names(self.instance) if self.instance else []:
+            segment.unlink(name)
+        if self.instance:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path(self.instance))
 
     def fd_count(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))

@@ -28,6 +28,7 @@ import dataclasses
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -56,15 +57,22 @@ log = logging.getLogger("shmstage.client")
 
 __all__ = ["DEFAULT_DATA_FILE", "Stager", "check_data_file"]
 
+#: Threads that fault in slots added after a first save: they compete with training for
+#: memory bandwidth (on an H100 host, 8 threads slowed a training step ~1.1x while they
+#: ran; page faults never wait for the GPU), so fewer than a first save's own setup.
+BACKGROUND_SETUP_THREADS = 4
+
 
 class Stager:
     """A trainer's connection to shmstaged, and the staging layouts it registered.
 
     ``slots``: staging buffers per layout; with 2, a save can fill one while the previous
-    checkpoint still streams from the other. ``wait_for_slot``: when every slot is busy,
+    checkpoint still streams from the other. ``slots=None`` takes the daemon's
+    ``default_slots``. A new layout's first save sets up only the slot it fills; the others
+    are created and faulted in on a background thread once that save is on its way, and
+    each is pinned just before its first copy. ``wait_for_slot``: when every slot is busy,
     wait (True, the default) or raise SlotUnavailable at once. ``pin``: page-lock the
-    segments for CUDA when a layout is registered — "auto" does so when the state dict
-    holds CUDA tensors. ``slots=None`` takes the daemon's ``default_slots``.
+    segments for CUDA — "auto" does so when the state dict holds CUDA tensors.
     ``progress``: called with a SaveEvent when a save is staged, durable or failed; the
     last two come from the connection's reader thread (and "staged", for a non-blocking
     save, from the handover thread), so keep it quick and do not call the Stager from it.
@@ -115,6 +123,8 @@ class Stager:
         self._in_flight: Landing | None = None
         self._handover = Handover()
         self._warned_unguarded = False
+        self._warned_slots = False
+        self._growth_lock = threading.Lock()  # the handover thread may ask too
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -241,6 +251,7 @@ class Stager:
             handle = staged.complete(destination, early)
             clock.lap("commit")
         self._staged(handle, clock.timings(), destination)
+        self._add_slots_soon()
         return handle
 
     def stage(
@@ -268,6 +279,7 @@ class Stager:
             pending = self._copy(staged, prepared, None, block)
             clock.lap("copy")
         staged.timings = clock.timings()
+        self._add_slots_soon()
         if pending is not None:
 
             def note_timings(landing: Landing, error: BaseException | None) -> None:
@@ -298,6 +310,8 @@ class Stager:
         clock.lap("setup")
         slot = self._acquire(mapped)
         clock.lap("slot_wait")
+        self._make_ready(mapped, slot)
+        clock.lap("setup")
         return Staged(self, mapped, slot, prepared.encoded, prepared.packed_tree)
 
     def _copy(
@@ -363,6 +377,7 @@ class Stager:
             timings = _landed(handle.timings, landing, clock)
             self._background.submit(_report, handle, timings)
             handle._staged(timings)
+            self._add_slots_soon()
 
         handle._landing = self._start_landing(pending, str(path), hand_over)
         if destination.target.pending:
@@ -400,6 +415,7 @@ class Stager:
             return
         log.warning("shmstaged connection was lost; reconnecting to %s", self._connection.path)
         if self._layout is not None:
+            self._layout.settle(self.request_timeout)
             self._layout.close()
             self._layout = None
         self._connection.close()
@@ -414,8 +430,8 @@ class Stager:
 
     @property
     def pinned(self) -> bool:
-        """Whether the current layout's segments are registered with CUDA."""
-        return self._layout is not None and self._layout.pinned is not None
+        """Whether the current layout's slots used so far are registered with CUDA."""
+        return self._layout is not None and bool(self._layout.pinned)
 
     def _mapped(self, prepared: Prepared) -> MappedLayout:
         """Reuse the registered layout when the structure is identical, else replace it.
@@ -426,10 +442,10 @@ class Stager:
         """
         self._reconnect_if_lost()
         current = self._layout
-        if current is not None and current.signature == prepared.signature:
+        if current is not None and current.whole and current.signature == prepared.signature:
             return current
         layout = prepared.layout()
-        if current is None or current.layout != layout:
+        if current is None or current.layout != layout or not current.whole:
             current = self._register(layout, self._wants_pin(prepared.items))
             self._layout = current
         current.signature = prepared.signature
@@ -439,38 +455,32 @@ class Stager:
     def _register(self, layout: Layout, pin: bool) -> MappedLayout:
         """Release the old layout, register ``layout`` and map its segments.
 
+        Registers one slot when more are wanted: the first save sets up only the slot it
+        fills (create, fault in, pin: ~0.13 s/GiB on an H100 host), and ``_add_slots``
+        brings the others once that save is on its way. A retained layout the daemon
+        hands back (adoption) comes with all the slots it kept.
+
         The segments' descriptors arrive in batches no larger than this process can hold
         (``receivable_fds``), each mapped and closed before the next is read.
         """
         if self._layout is not None:
             old, self._layout = self._layout, None
             self._connection.call("release", {"layout": old.id}, timeout=self.request_timeout)
+            old.settle(self.request_timeout)
             old.close()
+        target = self.slots or self._connection.welcome.get("default_slots", 2)
         request: dict[str, Any] = {"tensors": layout.to_wire(), "max_fds": receivable_fds()}
-        if self.slots is not None:
-            request["slots"] = self.slots
+        request["slots"], request["planned_slots"] = min(target, 1), target
         handle = self._connection.start("register", request)
         mapped: MappedLayout | None = None
         try:
             reply = handle.next(self.request_timeout)
             mapped = MappedLayout.receiving(reply.body["layout"], layout, reply.body["slots"])
-            if reply.body["segments"] != mapped.expected_segments:
-                raise DaemonLost(
-                    f"daemon announced {reply.body['segments']} segments for "
-                    f"{mapped.expected_segments} tensors x slots"
-                )
-            while mapped.received_segments < mapped.expected_segments:
-                frame = handle.next(self.request_timeout)
-                if frame.op != "segment_fds" or frame.body["first"] != mapped.received_segments:
-                    for fd in frame.fds:
-                        os.close(fd)
-                    raise DaemonLost(f"unexpected {frame.op} while receiving segments")
-                mapped.add_segments(frame.fds)  # map and close each batch as it arrives
-            mapped.complete(pin=pin)
+            mapped.pin, mapped.target_slots = pin, target
+            self._receive_segments(handle, mapped, reply.body["segments"])
             if reply.body.get("adopted"):
                 log.info(
-                    "layout %d: adopted %d segments the daemon retained (no new segment for "
-                    "them)",
+                    "layout %d: adopted %d segments the daemon retained (no new segment for them)",
                     mapped.id,
                     reply.body["adopted"],
                 )
@@ -482,7 +492,91 @@ class Stager:
             handle.finish()
         return mapped
 
+    def _receive_segments(self, handle: RequestHandle, mapped: MappedLayout, count: int) -> None:
+        """Map the ``count`` segments announced (the slots the layout expects, no more), as
+        their "segment_fds" frames arrive."""
+        first = mapped.received_segments
+        if first + count != mapped.expected_segments:
+            raise DaemonLost(
+                f"daemon announced {count} segments for {mapped.expected_segments - first} "
+                f"(tensors x new slots) of layout {mapped.id}"
+            )
+        while mapped.received_segments < mapped.expected_segments:
+            frame = handle.next(self.request_timeout)
+            if frame.op != "segment_fds" or frame.body["first"] != (
+                mapped.received_segments - first
+            ):
+                for fd in frame.fds:
+                    os.close(fd)
+                raise DaemonLost(f"unexpected {frame.op} while receiving segments")
+            mapped.add_segments(frame.fds)  # map and close each batch as it arrives
+        mapped.complete()
+
+    def _add_slots_soon(self) -> None:
+        """After a layout's first save: ask for the slots it still lacks, on the background
+        thread, behind that save's report and spare directory."""
+        with self._growth_lock:
+            mapped = self._layout
+            if mapped is None or mapped.growth is not None:
+                return
+            if mapped.slot_count < mapped.target_slots:
+                mapped.growth = self._background.submit(self._add_slots, mapped)
+
+    def _add_slots(self, mapped: MappedLayout) -> None:
+        """The daemon creates the slots; they are mapped, then faulted in on a few threads
+        (page faults do not hold up the trainer's CUDA calls; pinning would, so it waits
+        for each slot's first save, ``_make_ready``). A refusal (a limit, a full /dev/shm)
+        leaves the layout with the slots it has: saves then wait for the previous write."""
+        first = mapped.slot_count
+        try:
+            handle = self._connection.start(
+                "add_slots",
+                {"layout": mapped.id, "slots": mapped.target_slots, "max_fds": receivable_fds()},
+            )
+            try:
+                reply = handle.next(self.request_timeout)
+                announced = reply.body["slots"] - first
+                try:
+                    mapped.expect(announced)
+                    self._receive_segments(handle, mapped, reply.body["segments"])
+                except BaseException:
+                    mapped.whole = False  # the daemon has slots this process lacks
+                    raise
+            finally:
+                handle.finish()
+            for index in range(first, mapped.slot_count):
+                mapped.prefault_slot(index, BACKGROUND_SETUP_THREADS)
+        except (SaveError, OSError, ValueError) as exc:
+            if not self._warned_slots:
+                self._warned_slots = True
+                log.warning(
+                    "layout %d keeps %d of its %d slots: adding the others failed (%s); "
+                    "each save waits for the previous checkpoint to be written%s",
+                    mapped.id,
+                    len(mapped.slots),
+                    mapped.target_slots,
+                    exc,
+                    "" if mapped.whole else " (the next save registers the layout again)",
+                )
+
+    def _make_ready(self, mapped: MappedLayout, slot: int) -> None:
+        """The granted slot mapped (it may be one still arriving) and, before its first
+        copy, pinned: registering blocks the process's CUDA calls, so it is done here,
+        inside the measured stall, and never behind the trainer's back."""
+        if slot >= len(mapped.slots):
+            mapped.settle(self.request_timeout)
+        if slot >= len(mapped.slots):
+            with contextlib.suppress(SaveError):
+                self._connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
+            raise DaemonLost(
+                f"slot {slot} of layout {mapped.id} was granted but its segments did not "
+                f"arrive within {self.request_timeout} s"
+            )
+        mapped.pin_slot(slot)
+
     def _acquire(self, mapped: MappedLayout) -> int:
+        if not self.wait_for_slot:  # not refused for a slot that is about to exist
+            mapped.settle(self.request_timeout)
         reply = self._connection.call(
             "acquire",
             {"layout": mapped.id, "wait": self.wait_for_slot, "timeout": self.slot_timeout},
@@ -528,4 +622,3 @@ def _collection_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-

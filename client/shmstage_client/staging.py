@@ -21,6 +21,7 @@ import ctypes
 import itertools
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,14 +33,19 @@ from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.pending import CopyGroup, PendingCopy, StreamCopy, ThreadCopy
-from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, try_pin
+from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, prefault, try_pin
 
 log = logging.getLogger("shmstage.client")
 
 
 @dataclass
 class MappedLayout:
-    """A registered layout as this process sees it: one list of tensor views per slot."""
+    """A registered layout as this process sees it: one list of tensor views per slot.
+
+    Slots may arrive later than the layout (``expect``, for ``add_slots``), and each is
+    pinned on its own, just before its first copy (``pin_slot``): a first save sets up the
+    one slot it fills, not all of them.
+    """
 
     id: int
     layout: Layout
@@ -47,12 +53,28 @@ class MappedLayout:
     #: tensors live (``device_groups``); both set by the Stager.
     signature: list[tuple[Any, ...]] | None = None
     groups: dict[torch.device, list[int]] = field(default_factory=dict)
+    #: The slots whose every segment is mapped, in order.
     slots: list[list[torch.Tensor]] = field(default_factory=list)
-    pinned: PinnedRanges | None = None
+    #: Whether slots are registered with CUDA before their first copy.
+    pin: bool = False
+    #: Registered ranges, by slot.
+    pinned: dict[int, PinnedRanges] = field(default_factory=dict)
+    #: How many slots the client wants in all, and the background request bringing the
+    #: ones the registration did not (see ``Stager``); None once there is none to wait for.
+    target_slots: int = 1
+    growth: concurrent.futures.Future[None] | None = None
+    #: False once adding slots failed halfway: the daemon may hold slots this process
+    #: never mapped, so the next save registers the layout again.
+    whole: bool = True
     #: One address range per slot, its segments back to back (see ``segment.Region``).
     _regions: list[segment.Region] = field(default_factory=list)
+    #: The mapped views of the slot still being received.
     _views: list[torch.Tensor] = field(default_factory=list)
-    _slot_count: int = 0
+    _unpinnable: bool = False
+    #: Held while segments are mapped or faulted in, and to close: the background request
+    #: adding slots must never touch a region after it is unmapped.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _closed: bool = False
 
     @classmethod
     def receiving(cls, layout_id: int, layout: Layout, slot_count: int) -> MappedLayout:
@@ -62,84 +84,128 @@ class MappedLayout:
         slots, holding all 20,000 at once would exceed a typical RLIMIT_NOFILE.
         """
         mapped = cls(layout_id, layout)
-        mapped._slot_count = slot_count
-        sizes = [spec.nbytes for spec in layout.tensors]
+        mapped.expect(slot_count)
+        return mapped
+
+    def expect(self, slot_count: int) -> None:
+        """Reserve address space for ``slot_count`` more slots, whose segments come next."""
+        sizes = [spec.nbytes for spec in self.layout.tensors]
+        made: list[segment.Region] = []
         try:
             for _ in range(slot_count):
-                mapped._regions.append(segment.Region(sizes))
+                made.append(segment.Region(sizes))
+            with self._lock:
+                if self._closed:
+                    raise ValueError(f"layout {self.id} was closed before its new slots came")
+                self._regions.extend(made)
+                if not sizes:
+                    self.slots.extend([] for _ in made)
         except BaseException:
-            mapped.close()
+            for region in made:
+                region.close()
             raise
-        return mapped
+
+    @property
+    def slot_count(self) -> int:
+        """Slots announced so far, whether or not all their segments arrived yet."""
+        return len(self._regions)
 
     @property
     def expected_segments(self) -> int:
-        return self._slot_count * len(self.layout.tensors)
+        return self.slot_count * len(self.layout.tensors)
 
     @property
     def received_segments(self) -> int:
-        return len(self._views)
+        return len(self.slots) * len(self.layout.tensors) + len(self._views)
 
     def add_segments(self, fds: Sequence[int]) -> None:
         """Map the next batch (slot-major order); always closes every descriptor given."""
         try:
-            if len(self._views) + len(fds) > self.expected_segments:
-                raise ValueError(
-                    f"daemon sent more than the {self.expected_segments} segments announced"
-                )
-            for fd in fds:
-                slot, index = divmod(len(self._views), len(self.layout.tensors))
-                spec = self.layout.tensors[index]
-                region = self._regions[slot]
-                region.map(index, fd, writable=True)
-                self._views.append(
-                    _typed_view(region.buffer(index), spec.nbytes, spec.dtype, spec.shape)
-                )
+            with self._lock:
+                self._map(fds)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def complete(self, *, pin: bool = False) -> MappedLayout:
-        """Check every segment arrived, split them into slots, optionally pin them.
-
-        With ``pin``, the slots are registered with CUDA (once, here), so later
-        device-to-host copies into them run at pinned bandwidth: each slot's range in a few
-        large pieces (registered in parallel), or segment by segment where the driver
-        refuses a range that spans several mappings.
-        """
-        if len(self._views) != self.expected_segments:
+    def _map(self, fds: Sequence[int]) -> None:
+        if self._closed:
+            raise ValueError(f"layout {self.id} was closed while its segments arrived")
+        if self.received_segments + len(fds) > self.expected_segments:
             raise ValueError(
-                f"daemon sent {len(self._views)} segments, expected {self.expected_segments}"
+                f"daemon sent more than the {self.expected_segments} segments announced"
             )
-        if pin:
-            self.pinned = self._pin()
         per_slot = len(self.layout.tensors)
-        self.slots = [
-            self._views[i * per_slot : (i + 1) * per_slot] for i in range(self._slot_count)
-        ]
-        self._views = []
+        for fd in fds:
+            index = len(self._views)
+            spec = self.layout.tensors[index]
+            region = self._regions[len(self.slots)]
+            region.map(index, fd, writable=True)
+            self._views.append(
+                _typed_view(region.buffer(index), spec.nbytes, spec.dtype, spec.shape)
+            )
+            if len(self._views) == per_slot:
+                self.slots.append(self._views)
+                self._views = []
+
+    def complete(self) -> MappedLayout:
+        """Check every segment announced arrived."""
+        if self.received_segments != self.expected_segments:
+            raise ValueError(
+                f"daemon sent {self.received_segments} segments, expected {self.expected_segments}"
+            )
         return self
 
-    def _pin(self) -> PinnedRanges | None:
-        pieces = [piece for region in self._regions for piece in _pieces(region)]
+    def prefault_slot(self, index: int, threads: int) -> None:
+        """Fault a slot's pages in ahead of its first use (on a background thread, few
+        threads: it competes with training for memory bandwidth, not for the GPU)."""
+        with self._lock:
+            if self._closed:
+                return
+            pieces = _pieces(self._regions[index])
+            segment.in_parallel(
+                [piece.numel() for piece in pieces], lambda i: prefault(pieces[i]), threads
+            )
+
+    def pin_slot(self, index: int) -> None:
+        """Register slot ``index`` with CUDA (with ``pin``, once, before its first copy), so
+        that device-to-host copies into it run at pinned bandwidth: its range in a few large
+        pieces, registered in parallel, or segment by segment where the driver refuses a
+        range that spans several mappings. Registering blocks the process's other CUDA
+        calls meanwhile, which is why it happens here, inside a save's measured stall,
+        rather than on a background thread behind the trainer's back."""
+        if not self.pin or self._unpinnable or index in self.pinned:
+            return
         ranges = PinnedRanges()
         try:
-            ranges.register(pieces)
-            return ranges
+            ranges.register(_pieces(self._regions[index]))
         except PIN_FAILURES as exc:
-            log.info("pinning whole slots failed (%s); pinning segment by segment", exc)
-        return try_pin([_raw(view) for view in self._views])  # before complete() splits them
+            log.info("pinning whole slot %d failed (%s); pinning segment by segment", index, exc)
+            fallback = try_pin([_raw(view) for view in self.slots[index]])
+            if fallback is None:
+                self._unpinnable = True  # warned once; copies run unpinned from now on
+                return
+            ranges = fallback
+        self.pinned[index] = ranges
+
+    def settle(self, timeout: float | None) -> None:
+        """Wait (bounded) for the background request adding slots, whatever its outcome:
+        nothing may unmap a region while it maps segments into it."""
+        growth = self.growth
+        if growth is not None:
+            concurrent.futures.wait([growth], timeout)
 
     def close(self) -> None:
         """Unpin, then unmap. Views handed out earlier must be gone: they would fault."""
-        if self.pinned is not None:
-            self.pinned.release()  # CUDA must forget a range before it is unmapped
-            self.pinned = None
-        self.slots.clear()
-        self._views.clear()
-        for region in self._regions:
-            region.close()
-        self._regions.clear()
+        with self._lock:
+            self._closed = True
+            for ranges in self.pinned.values():
+                ranges.release()  # CUDA must forget a range before it is unmapped
+            self.pinned.clear()
+            self.slots.clear()
+            self._views.clear()
+            for region in self._regions:
+                region.close()
+            self._regions.clear()
 
 
 def _pieces(region: segment.Region) -> list[torch.Tensor]:

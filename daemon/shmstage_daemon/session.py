@@ -72,9 +72,7 @@ class RequestError(Exception):
 
 
 class Session:
-    def __init__(
-        self, daemon: SessionHost, sid: int, transport: Transport, peer: Peer
-    ) -> None:
+    def __init__(self, daemon: SessionHost, sid: int, transport: Transport, peer: Peer) -> None:
         self.daemon = daemon
         self.id = sid
         self.transport = transport
@@ -94,9 +92,7 @@ class Session:
         #: until its "ready" starts them (or a cancel or disconnect drops them).
         self._prepared: dict[int, tuple[job.PersistJob, StagedLayout, Slot]] = {}
         #: Jobs started for this client whose "report" may still come, oldest first.
-        self._unreported: collections.OrderedDict[int, job.PersistJob] = (
-            collections.OrderedDict()
-        )
+        self._unreported: collections.OrderedDict[int, job.PersistJob] = collections.OrderedDict()
         self.started = time.time()
 
     @property
@@ -251,6 +247,7 @@ class Session:
                 "daemon": f"shmstaged {__version__}",
                 "instance": self.daemon.instance,
                 "limits": self.store.limits.to_wire(),
+                "default_slots": self.daemon.default_slots,
             },
         )
 
@@ -267,20 +264,18 @@ class Session:
             frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
         )
         slots = frame.body.get("slots", self.daemon.default_slots)
+        planned = frame.body.get("planned_slots", slots)
+        self.store.check_slots(planned)
         batch = _batch(frame)
-        adopted = await self._adopt(layout, slots)
+        adopted = await self._adopt(layout, slots, planned)
         if adopted is not None:
             if self.open:
                 await self._registered(frame, *adopted, batch=batch)
             return
         await self.daemon.retention.make_room(self.store.registration_bytes(layout, slots))
-        nbytes = self.store.reserve(self.id, layout, slots)
+        nbytes = self.store.reserve(self.id, layout, slots, planned)
         try:
-            self.daemon.check_capacity(nbytes)
-            refs = await self.daemon.run_io(self.daemon.create_segments, layout, slots)
-        except segment.SegmentError as exc:
-            self.store.unreserve(self.peer.uid, nbytes, len(layout.tensors) * slots)
-            raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
+            refs = await self._make_slots(layout, slots, nbytes)
         except BaseException:
             self.store.unreserve(self.peer.uid, nbytes, len(layout.tensors) * slots)
             raise
@@ -337,24 +332,23 @@ class Session:
             finally:
                 close_fds(fds)
 
-    async def _adopt(self, layout: Layout, slots: int) -> tuple[StagedLayout, int] | None:
+    async def _adopt(
+        self, layout: Layout, slots: int, keep: int
+    ) -> tuple[StagedLayout, int] | None:
         """Take over a retained layout of this user and structure, if there is one: its
-        segments (and the checkpoint its newest slot holds) become this client's, and only
-        the slots it lacks are created."""
-        staged = self.daemon.retention.adoptable(self.peer.uid, layout, slots)
+        segments (and the checkpoint its newest slot holds) become this client's, up to
+        ``keep`` slots of them, and only the slots it lacks of ``slots`` are created."""
+        staged = self.daemon.retention.adoptable(self.peer.uid, layout, max(slots, keep))
         if staged is None:
             return None
         kept = len(staged.slots)
+        slots = max(slots, kept)
         adopted = staged.segment_count
         nbytes = self.store.adopt(self.id, staged, slots)
         if kept < slots:
             try:
                 await self.daemon.retention.make_room(nbytes)
-                self.daemon.check_capacity(nbytes)
-                refs = await self.daemon.run_io(self.daemon.create_segments, layout, slots - kept)
-            except segment.SegmentError as exc:
-                self._disown(staged, nbytes)
-                raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
+                refs = await self._make_slots(layout, slots - kept, nbytes)
             except BaseException:
                 self._disown(staged, nbytes)
                 raise
@@ -362,10 +356,63 @@ class Session:
                 self.daemon.unlink_later([ref.name for slot_refs in refs for ref in slot_refs])
                 return staged, adopted
             self.store.extend(staged, refs)
-        self.daemon.telemetry.registered(
-            created=staged.segment_count - adopted, adopted=adopted
-        )
+        self.daemon.telemetry.registered(created=staged.segment_count - adopted, adopted=adopted)
         return staged, adopted
+
+    async def _make_slots(self, layout: Layout, slots: int, nbytes: int) -> list[list[SegmentRef]]:
+        """Create ``slots`` slots' segments (``nbytes``, already charged), in an I/O thread;
+        a full /dev/shm is the client's SHM_EXHAUSTED, and the caller undoes the charge."""
+        self.daemon.check_capacity(nbytes)
+        try:
+            return await self.daemon.run_io(self.daemon.create_segments, layout, slots)
+        except segment.SegmentError as exc:
+            raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
+
+    async def _op_add_slots(self, frame: Frame) -> None:
+        """Bring a layout of this client's to ``slots`` slots: the ones it lacks are
+        created and sent, writable, like a registration's. A client registers one slot for
+        the save that stalls training and asks for the rest while that save persists."""
+        staged = self.store.get(self.id, frame.body["layout"])
+        batch = _batch(frame)
+        wanted = frame.body["slots"]
+        extra = wanted - len(staged.slots)
+        if extra > 0:
+            await self.daemon.retention.make_room(
+                self.store.registration_bytes(staged.layout, extra)
+            )
+        staged = self.store.get(self.id, staged.id)  # still this client's after the wait
+        nbytes = self.store.reserve_slots(self.id, staged, wanted)
+        extra = max(extra, 0)
+        refs: list[list[SegmentRef]] = []
+        if nbytes:
+            nsegments = len(staged.layout.tensors) * extra
+            try:
+                refs = await self._make_slots(staged.layout, extra, nbytes)
+            except BaseException:
+                self.store.unreserve(staged.uid, nbytes, nsegments, layouts=0)
+                raise
+            if staged.released or self.store.layouts.get(staged.id) is not staged:
+                self.store.unreserve(staged.uid, nbytes, nsegments, layouts=0)
+                self.daemon.unlink_later([ref.name for slot in refs for ref in slot])
+                raise RequestError(
+                    ErrorCode.UNKNOWN_LAYOUT, f"layout {staged.id} was released meanwhile"
+                )
+            self.store.add_slots(staged, refs, nbytes)
+            self.daemon.telemetry.registered(created=nsegments, registration=False)
+            log.info(
+                "%s added %d slot(s) to layout %d: %d slot(s), %d bytes",
+                self.describe(),
+                extra,
+                staged.id,
+                len(staged.slots),
+                staged.bytes_reserved,
+            )
+        flat = [ref for slot in refs for ref in slot]
+        reply = {"layout": staged.id, "slots": len(staged.slots), "segments": len(flat)}
+        await self.send("slots_added", frame.id, reply)
+        await self._send_segments(
+            frame.id, "segment_fds", {"layout": staged.id}, flat, batch, writable=True
+        )
 
     def _disown(self, staged: StagedLayout, nbytes: int) -> None:
         if staged.owner == self.id and staged.retained is None:
@@ -771,9 +818,7 @@ class Session:
                 parent = (st.st_dev, st.st_ino)
         finally:
             close_fds(frame.fds)
-        entry = self.daemon.retention.newest_of(
-            self.peer.uid, frame.body.get("structure"), parent
-        )
+        entry = self.daemon.retention.newest_of(self.peer.uid, frame.body.get("structure"), parent)
         if entry is None:
             self.daemon.telemetry.leased("not_retained")
             raise RequestError(

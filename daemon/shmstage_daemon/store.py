@@ -133,7 +133,6 @@ class StagedLayout:
     def segment_names(self) -> list[str]:
         return [ref.name for slot in self.slots for ref in slot.segments]
 
-
     @property
     def slot_bytes(self) -> int:
         return self.bytes_reserved // max(len(self.slots), 1)
@@ -218,9 +217,19 @@ class Store:
 
     # -- registration ------------------------------------------------------------
 
-    def reserve(self, session: int, layout: Layout, slots: int) -> int:
-        """Charge a registration against the limits before any segment exists."""
+    def reserve(self, session: int, layout: Layout, slots: int, planned: int = 0) -> int:
+        """Charge a registration against the limits before any segment exists.
+
+        ``planned``: the slots the layout will have once its client adds the others
+        (``reserve_slots``); the limits must allow that many now, so that a layout they
+        could never hold is refused at once, though only ``slots`` are charged.
+        """
         self.check_slots(slots)
+        if planned > slots:
+            self.check_slots(planned)
+            nbytes = self.registration_bytes(layout, planned)
+            nsegments = len(layout.tensors) * planned
+            self._charge(session, nbytes, nsegments, nbytes, planned, layout.nbytes, apply=False)
         nbytes = self.registration_bytes(layout, slots)
         nsegments = len(layout.tensors) * slots
         self._charge(session, nbytes, nsegments, nbytes, slots, layout.nbytes)
@@ -240,14 +249,25 @@ class Store:
             )
 
     def _charge(
-        self, session: int, nbytes: int, nsegments: int, new_bytes: int, slots: int, size: int
+        self,
+        session: int,
+        nbytes: int,
+        nsegments: int,
+        new_bytes: int,
+        slots: int,
+        size: int,
+        *,
+        layouts: int = 1,
+        apply: bool = True,
     ) -> None:
         """Charge a layout of ``nbytes`` to a client's user, of which ``new_bytes`` are not
-        in shared memory yet (an adopted layout's are), refusing what a limit forbids."""
+        in shared memory yet (an adopted layout's are), refusing what a limit forbids;
+        ``layouts=0`` for slots added to a layout already charged (``reserve_slots``),
+        ``apply=False`` to check only."""
         lim = self.limits
         usage = self.user(session)
         checks = [
-            ("layouts", usage.layouts + 1, lim.max_user_layouts, "max_layouts"),
+            ("layouts", usage.layouts + layouts, lim.max_user_layouts, "max_layouts"),
             ("bytes", usage.bytes + nbytes, lim.max_user_bytes, "max_bytes"),
             ("segments", usage.segments + nsegments, lim.max_user_segments, "max_segments"),
         ]
@@ -268,19 +288,44 @@ class Store:
                 f"{lim.shm_budget_bytes} bytes in use); use fewer slots, release other "
                 "layouts, or raise the budget",
             )
+        if not apply:
+            return
         self.reserved_bytes += new_bytes
         usage.bytes += nbytes
         usage.segments += nsegments
-        usage.layouts += 1
+        usage.layouts += layouts
 
-    def unreserve(self, uid: int, nbytes: int, nsegments: int) -> None:
+    def unreserve(self, uid: int, nbytes: int, nsegments: int, *, layouts: int = 1) -> None:
         self.reserved_bytes -= nbytes
         usage = self.usage.get(uid)
         if usage is not None:
             usage.bytes -= nbytes
             usage.segments -= nsegments
-            usage.layouts -= 1
+            usage.layouts -= layouts
             self._forget_if_idle(uid)
+
+    def reserve_slots(self, session: int, staged: StagedLayout, slots: int) -> int:
+        """Charge the slots that bring a client's layout to ``slots`` (``add_slots``),
+        before any of their segments exists; returns their bytes (0: nothing to add).
+
+        A client registers one slot for its first save and asks for the others once that
+        save is on its way, so that the save that stalls training sets up one slot, not all.
+        """
+        self.check_slots(slots)
+        extra = slots - len(staged.slots)
+        if extra <= 0:
+            return 0
+        nbytes = self.registration_bytes(staged.layout, extra)
+        nsegments = len(staged.layout.tensors) * extra
+        self._charge(session, nbytes, nsegments, nbytes, slots, staged.layout.nbytes, layouts=0)
+        return nbytes
+
+    def add_slots(self, staged: StagedLayout, refs: list[list[SegmentRef]], nbytes: int) -> None:
+        """The slots ``reserve_slots`` charged, made: a waiting acquire may take one now."""
+        staged.bytes_reserved += nbytes
+        self.extend(staged, refs)
+        if refs:
+            self.hand_over(staged, staged.slots[-1])
 
     def _forget_if_idle(self, uid: int) -> None:
         usage = self.usage.get(uid)

@@ -125,8 +125,10 @@ class Telemetry:
             if plausible(timings.get(name)):
                 self.registry.observe(name, timings[name])
 
-    def registered(self, created: int = 0, adopted: int = 0) -> None:
-        self.registry.inc("registrations_total")
+    def registered(self, created: int = 0, adopted: int = 0, *, registration: bool = True) -> None:
+        """A registration (or, ``registration=False``, slots added to one): what it made."""
+        if registration:
+            self.registry.inc("registrations_total")
         self.registry.inc("segments_created_total", created)
         self.registry.inc("segments_adopted_total", adopted)
 

@@ -457,3 +457,39 @@ def test_pinning_pieces_never_split_a_tensor() -> None:
         assert len(pieces) > 1  # 1.1 GiB: worth several threads
     finally:
         region.close()
+
+
+def test_a_first_save_sets_up_one_slot_and_the_next_save_overlaps_its_write(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    """The save that stalls training creates one slot; the second arrives in the
+    background, so the next save still fills a slot while the first checkpoint is written
+    (here held mid-stream by the daemon's fault hook, only for the first job)."""
+    daemon = start_daemon(tmp_path / "daemon", env={"SHMSTAGE_FAULT": "pause-mid-stream:3@1"})
+    try:
+        state = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(4096)}
+        expected_first = clone(state)
+        with Stager(daemon.socket) as stager:  # the daemon's default: 2 slots
+            first = stager.save(state, ckpt / "first")
+            assert "2 tensors x 1 slot(s)" in daemon.log()
+            daemon.wait_log("fault: pausing at mid-stream")
+            state["a"].add_(1)
+            second = stager.save(state, ckpt / "second")
+            assert not first.done()  # the second save did not wait for the first write
+            assert second.timings.slot_wait_seconds < 1.0
+            second.wait(60)
+            first.wait(60)
+            assert len(stager._layout.slots) == 2 and stager._layout.growth.done()
+        assert "added 1 slot(s) to layout" in daemon.log()
+        assert_same(load(ckpt / "first"), expected_first)
+        assert_same(load(ckpt / "second"), state)
+    finally:
+        daemon.discard()
+
+
+def test_slots_one_never_asks_for_more(daemon, ckpt: Path) -> None:
+    with Stager(daemon.socket, slots=1) as stager:
+        stager.save({"w": torch.ones(8)}, ckpt / "a").wait(60)
+        stager.save({"w": torch.zeros(8)}, ckpt / "b").wait(60)
+        assert len(stager._layout.slots) == 1 and stager._layout.growth is None
+    assert "added" not in daemon.log()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import struct
@@ -284,3 +285,46 @@ def test_raw_client_helper_is_sound(daemon) -> None:
     status = client.frame().body["status"]
     assert status["instance"] == daemon.instance and len(status["clients"]) == 1
     client.close()
+
+
+def test_slots_added_later_are_sent_writable_and_handed_to_a_waiting_acquire(
+    raw_client,
+) -> None:
+    client = raw_client()
+    client.request(
+        "register", {"tensors": [["w", "U8", [16], None]], "slots": 1, "planned_slots": 2}
+    )
+    registered = client.frame()
+    assert registered.body["slots"] == 1 and registered.body["segments"] == 1
+    layout = registered.body["layout"]
+    for fd in client.frame().fds:
+        os.close(fd)
+    client.request("acquire", {"layout": layout, "wait": False, "timeout": None})
+    assert client.frame().body["slot"] == 0
+    waiting = client.request("acquire", {"layout": layout, "wait": True, "timeout": 10})
+    adding = client.request("add_slots", {"layout": layout, "slots": 2})
+    frames = {}
+    for _ in range(3):
+        frame = client.frame()
+        frames[frame.op] = frame
+    assert frames["slots_added"].id == adding and frames["slots_added"].body["slots"] == 2
+    assert frames["slots_added"].body["segments"] == 1
+    fds = frames["segment_fds"].fds
+    assert frames["segment_fds"].body["first"] == 0 and len(fds) == 1
+    assert os.fstat(fds[0]).st_size >= 16
+    assert fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    os.close(fds[0])
+    # The acquire that waited (slot 0 is busy) got the new slot the moment it existed.
+    assert frames["acquired"].id == waiting and frames["acquired"].body["slot"] == 1
+    # Asking again for what the layout has adds nothing; more than the daemon allows is
+    # refused, naming the range.
+    client.request("add_slots", {"layout": layout, "slots": 2})
+    again = client.frame()
+    assert again.op == "slots_added" and again.body == {**again.body, "segments": 0, "slots": 2}
+    client.request("add_slots", {"layout": layout, "slots": 99})
+    refused = client.frame()
+    assert refused.body["code"] == "bad_request" and "slots=99" in refused.body["message"]
+    # Someone else's layout cannot be grown.
+    other = raw_client()
+    other.request("add_slots", {"layout": layout, "slots": 3})
+    assert other.frame().body["code"] == "unknown_layout"
