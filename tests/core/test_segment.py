@@ -83,7 +83,7 @@ def test_foreign_names_are_not_ours() -> None:
 
 
 def test_small_layouts_are_set_up_on_one_thread_large_ones_balanced_by_bytes() -> None:
-    small = [128 << 10] * 10_000  # 1.2 GiB in many small segments: still parallel by bytes
+    small = [128 << 10] * 10_000  # 1.2 GiB, but each segment's cost is its name: one thread
     assert segment.setup_groups([4096] * 10_000) == [list(range(10_000))]
     assert segment.setup_groups([]) == []
     sizes = [256 << 20, 4096, 1 << 30, 64 << 20, 512 << 20, 12, 0, 300 << 20]
@@ -95,6 +95,12 @@ def test_small_layouts_are_set_up_on_one_thread_large_ones_balanced_by_bytes() -
         loads = [sum(sizes[i] for i in group) for group in groups]
         assert max(loads) <= max(sizes) + sum(sizes) // len(groups)
     assert len(segment.setup_groups(small, max_threads=1)) == 1
+    assert segment.setup_groups(small, max_threads=4) == [list(range(10_000))]
+    # Large segments are spread; the small ones of the same layout share one thread.
+    mixed = segment.setup_groups([*small, 1 << 30, 1 << 30], max_threads=3)
+    if len(mixed) > 1:
+        assert mixed[0] == list(range(10_000))
+        assert sorted(i for group in mixed[1:] for i in group) == [10_000, 10_001]
 
 
 def test_parallel_setup_does_everything_once_or_stops_and_raises() -> None:
