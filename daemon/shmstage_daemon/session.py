@@ -272,7 +272,10 @@ class Session:
             if self.open:
                 await self._registered(frame, *adopted, batch=batch)
             return
-        await self.daemon.retention.make_room(self.store.registration_bytes(layout, slots))
+        # room for every planned slot: the limits are checked for all of them now
+        await self.daemon.retention.make_room(
+            self.store.registration_bytes(layout, max(slots, planned))
+        )
         nbytes = self.store.reserve(self.id, layout, slots, planned)
         try:
             refs = await self._make_slots(layout, slots, nbytes)
