@@ -68,8 +68,9 @@ class MappedLayout:
     whole: bool = True
     #: One address range per slot, its segments back to back (see ``segment.Region``).
     _regions: list[segment.Region] = field(default_factory=list)
-    #: The mapped views of the slot still being received.
+    #: The mapped views of the slot still being received, and its whole range's bytes.
     _views: list[torch.Tensor] = field(default_factory=list)
+    _whole: torch.Tensor | None = None
     _unpinnable: bool = False
     #: Held while segments are mapped or faulted in, and to close: the background request
     #: adding slots must never touch a region after it is unmapped.
@@ -140,12 +141,14 @@ class MappedLayout:
             spec = self.layout.tensors[index]
             region = self._regions[len(self.slots)]
             region.map(index, fd, writable=True)
+            if index == 0:  # one tensor over the slot's range, sliced per tensor: 10,000
+                self._whole = _bytes(region.buffer(), region.size)  # frombuffers cost 0.1 s
             self._views.append(
-                _typed_view(region.buffer(index), spec.nbytes, spec.dtype, spec.shape)
+                _typed_view(self._whole, region.offsets[index], spec.nbytes, spec.dtype, spec.shape)
             )
             if len(self._views) == per_slot:
                 self.slots.append(self._views)
-                self._views = []
+                self._views, self._whole = [], None
 
     def complete(self) -> MappedLayout:
         """Check every segment announced arrived."""
@@ -231,12 +234,13 @@ def _bytes(buffer: ctypes.Array[ctypes.c_char], nbytes: int) -> torch.Tensor:
 
 
 def _typed_view(
-    buffer: ctypes.Array[ctypes.c_char], nbytes: int, dtype: str, shape: tuple[int, ...]
+    whole: torch.Tensor | None, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
+    """A tensor's view at its page-aligned ``offset`` in its slot's bytes ``whole``."""
     torch_dtype = FROM_SAFETENSORS[dtype]
-    if nbytes == 0:
+    if nbytes == 0 or whole is None:
         return torch.empty(shape, dtype=torch_dtype)
-    return _bytes(buffer, nbytes).view(torch_dtype).view(shape)
+    return whole[offset : offset + nbytes].view(torch_dtype).view(shape)
 
 
 def _raw(view: torch.Tensor) -> torch.Tensor:

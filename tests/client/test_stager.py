@@ -465,7 +465,7 @@ def test_a_first_save_sets_up_one_slot_and_the_next_save_overlaps_its_write(
     """The save that stalls training creates one slot; the second arrives in the
     background, so the next save still fills a slot while the first checkpoint is written
     (here held mid-stream by the daemon's fault hook, only for the first job)."""
-    daemon = start_daemon(tmp_path / "daemon", env={"SHMSTAGE_FAULT": "pause-mid-stream:3@1"})
+    daemon = start_daemon(tmp_path / "daemon", env={"SHMSTAGE_FAULT": "pause-mid-stream:5@1"})
     try:
         state = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(4096)}
         expected_first = clone(state)
@@ -476,7 +476,7 @@ def test_a_first_save_sets_up_one_slot_and_the_next_save_overlaps_its_write(
             state["a"].add_(1)
             second = stager.save(state, ckpt / "second")
             assert not first.done()  # the second save did not wait for the first write
-            assert second.timings.slot_wait_seconds < 1.0
+            assert second.timings.slot_wait_seconds < 2.5
             second.wait(60)
             first.wait(60)
             assert len(stager._layout.slots) == 2 and stager._layout.growth.done()
