@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_same, clone, start_daemon
+from harness import assert_same, clone, start_daemon, wait_for
 from safetensors import safe_open
 from shmstage_client import (
     CheckpointExists,
@@ -493,3 +493,23 @@ def test_slots_one_never_asks_for_more(daemon, ckpt: Path) -> None:
         stager.save({"w": torch.zeros(8)}, ckpt / "b").wait(60)
         assert len(stager._layout.slots) == 1 and stager._layout.growth is None
     assert "added" not in daemon.log()
+
+
+def test_a_new_structure_while_slots_are_still_being_added_releases_the_old_cleanly(
+    daemon, ckpt: Path
+) -> None:
+    """The background request adding the first layout's slots may still run when the next
+    save brings another structure: the old layout is released and unmapped only once that
+    request ended, and nothing of it stays in /dev/shm."""
+    first = {f"t{i}": torch.full((4096,), float(i)) for i in range(300)}
+    second = {"other": torch.arange(10.0)}
+    with Stager(daemon.socket) as stager:
+        stager.save(first, ckpt / "a")
+        old = stager._layout
+        stager.save(second, ckpt / "b").wait(60)  # right away: a new layout
+        assert old.growth is not None and old.growth.done() and not old.slots
+        stager.save(second, ckpt / "c").wait(60)
+        assert len(stager._layout.slots) == 2
+        assert_same(load(ckpt / "c"), second)
+    assert_same(load(ckpt / "a"), first)
+    wait_for(lambda: not daemon.segments(), 10, "every segment unlinked after close()")
