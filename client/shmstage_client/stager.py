@@ -468,7 +468,9 @@ class Stager:
             self._connection.call("release", {"layout": old.id}, timeout=self.request_timeout)
             old.settle(self.request_timeout)
             old.close()
-        target = self.slots or self._connection.welcome.get("default_slots", 2)
+        target = self.slots
+        if target is None:
+            target = self._connection.welcome.get("default_slots", 2)
         request: dict[str, Any] = {"tensors": layout.to_wire(), "max_fds": receivable_fds()}
         request["slots"], request["planned_slots"] = min(target, 1), target
         handle = self._connection.start("register", request)

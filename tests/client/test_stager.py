@@ -16,6 +16,7 @@ from safetensors import safe_open
 from shmstage_client import (
     CheckpointExists,
     ChecksumError,
+    DaemonRefused,
     SlotUnavailable,
     Stager,
     UnsupportedValue,
@@ -513,3 +514,14 @@ def test_a_new_structure_while_slots_are_still_being_added_releases_the_old_clea
         assert_same(load(ckpt / "c"), second)
     assert_same(load(ckpt / "a"), first)
     wait_for(lambda: not daemon.segments(), 10, "every segment unlinked after close()")
+
+
+def test_an_impossible_slot_count_is_refused_naming_the_range(daemon, ckpt: Path) -> None:
+    for slots in (0, 99):
+        refusal = r"slots=\d+: this daemon allows 1\.\.8"
+        with (
+            Stager(daemon.socket, slots=slots) as stager,
+            pytest.raises(DaemonRefused, match=refusal),
+        ):
+            stager.save({"w": torch.ones(4)}, ckpt / f"s{slots}")
+        assert not (ckpt / f"s{slots}").exists()
