@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -525,3 +527,28 @@ def test_an_impossible_slot_count_is_refused_naming_the_range(daemon, ckpt: Path
         ):
             stager.save({"w": torch.ones(4)}, ckpt / f"s{slots}")
         assert not (ckpt / f"s{slots}").exists()
+
+
+def test_slots_refused_after_the_first_save_leave_a_working_layout_and_a_warning(
+    tmp_path: Path, ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Registration checks the budget for every planned slot, but the slots themselves come
+    later: another layout may take the room in between. The first layout then keeps its
+    one slot — its saves wait for the previous write — and the trainer is told once."""
+    mib = 1 << 20
+    daemon = start_daemon(tmp_path / "daemon", "--shm-budget", str(5 * mib // 2))
+    try:
+        with Stager(daemon.socket) as first, Stager(daemon.socket, slots=1) as other:
+            gate = threading.Event()
+            first._background.submit(gate.wait, 60)  # holds back the request for slot 2
+            first.save({"w": torch.ones(mib // 4)}, ckpt / "a").wait(60)  # 1 of 2 MiB
+            other.save({"v": torch.ones(mib // 4)}, ckpt / "b").wait(60)  # the other MiB
+            with caplog.at_level(logging.WARNING, logger="shmstage.client"):
+                gate.set()
+                first._layout.growth.result(60)
+            assert "keeps 1 of its 2 slots" in caplog.text and "budget" in caplog.text
+            assert len(first._layout.slots) == 1 and first._layout.whole
+            first.save({"w": torch.zeros(mib // 4)}, ckpt / "c").wait(60)
+        assert_same(load(ckpt / "c"), {"w": torch.zeros(mib // 4)})
+    finally:
+        daemon.discard()
