@@ -158,13 +158,14 @@ def test_the_restarted_trainers_first_save_adopts_the_retained_segments(
     daemons, tmp_path: Path
 ) -> None:
     daemon = daemons()
-    trainer = start_trainer(daemon.socket, tmp_path, "commit", 4)
+    trainer = start_trainer(daemon.socket, tmp_path, "commit-grown", 4)
     read_marker(trainer, "BASE")
     read_marker(trainer, "COMMITTED")
     kill(trainer)
     retained(daemon)
     wait_for(lambda: memory_of(daemon)["checkpoints"][0]["durable"], 30, "victim durable")
     before = sorted(daemon.segments())
+    assert len(before) == 2 * 4  # 4 tensors (3 layers and the bias) x both slots, retained
     created = metric(daemon, "segments_created_total")
     state = latest(socket=daemon.socket).state  # restore, then train on and save
     with Stager(daemon.socket) as stager:

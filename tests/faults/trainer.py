@@ -10,6 +10,8 @@ a marker line the test waits for before it kills this process:
 - ``steps``: as training does, ``ROOT/step-1`` of the same structure first (waited for,
   ``STEP-1``), then as ``copy``;
 - ``commit``: right after ``save()`` returned, tensors already overwritten (``COMMITTED``);
+- ``commit-grown``: as ``commit``, once the victim's layout also has its second slot (a
+  trainer that has been saving a while has all its slots; a first save sets up one);
 - ``wait``: blocked in ``handle.wait()`` (``WAITING``);
 - ``slot-wait``: with one slot, blocked acquiring it for ``ROOT/victim2`` while ``victim``
   still persists (``ACQUIRING``).
@@ -55,6 +57,9 @@ def main() -> None:
     handle = stager.save(state, root / "victim")
     for tensor in state["layers"]:  # the daemon owns the staged bytes now
         tensor.fill_(-1.0)
+    if mode == "commit-grown":
+        stager._layout.growth.result(60)
+        mode = "commit"
     if mode == "commit":
         say(f"COMMITTED {handle.job}")
         time.sleep(300)
