@@ -229,7 +229,17 @@ class Session:
         return list(self._tasks)
 
     def spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        """Run ``coro`` beside the session's reads. A client that vanished before its answer
+        went out (an acquire that waited, then found the socket closed) ends the task
+        quietly: the session's close gives back whatever was granted to it."""
+
+        async def answering() -> None:
+            try:
+                await coro
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                log.debug("%s: gone before its answer was sent (%s)", self.describe(), exc)
+
+        task = asyncio.get_running_loop().create_task(answering())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
