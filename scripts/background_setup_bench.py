@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import random
 import statistics
 import sys
@@ -28,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from registration_bench import map_into
 from shmstage_client import pinning
 from shmstage_client.staging import _bytes
 
@@ -112,13 +112,7 @@ def trial(trainer: Trainer, sizes: list[int], piece: int, threads: int, idle: fl
             segment.in_parallel(sizes, make, threads)
 
         show("create + fallocate", *trainer.during(create))
-        for index, ref in enumerate(refs):
-            assert ref is not None
-            fd = segment.open_fd(ref, writable=True)
-            try:
-                region.map(index, fd, writable=True)
-            finally:
-                os.close(fd)
+        map_into(region, refs)
         pieces = pieces_of(region, piece)
         lengths = [p.numel() for p in pieces]
 

@@ -69,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def map_into(region: segment.Region, refs: list[segment.SegmentRef | None]) -> None:
+    """Map every segment at its place in ``region``, as the client does (writable)."""
+    for index, ref in enumerate(refs):
+        assert ref is not None
+        fd = segment.open_fd(ref, writable=True)
+        try:
+            region.map(index, fd, writable=True)
+        finally:
+            os.close(fd)
+
+
 def one_round(sizes: list[int], slots: int, threads: int, touch: bool) -> dict[str, float]:
     """Create, map, prefault and pin ``slots`` copies of ``sizes`` the way daemon and client
     do (the client's pieces: ``staging._pieces``), then undo it all; seconds per step."""
@@ -90,14 +101,7 @@ def one_round(sizes: list[int], slots: int, threads: int, touch: bool) -> dict[s
             for slot in range(slots):
                 region = segment.Region(sizes)
                 regions.append(region)
-                for index in range(len(sizes)):
-                    ref = refs[slot * len(sizes) + index]
-                    assert ref is not None
-                    fd = segment.open_fd(ref, writable=True)
-                    try:
-                        region.map(index, fd, writable=True)
-                    finally:
-                        os.close(fd)
+                map_into(region, refs[slot * len(sizes) : (slot + 1) * len(sizes)])
 
         pieces = []
 

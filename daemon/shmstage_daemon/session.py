@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import fcntl
 import json
 import logging
@@ -388,14 +387,13 @@ class Session:
         staged = self.store.get(self.id, frame.body["layout"])
         batch = _batch(frame)
         wanted = frame.body["slots"]
-        extra = wanted - len(staged.slots)
-        if extra > 0:
+        extra = max(wanted - len(staged.slots), 0)
+        if extra:
             await self.daemon.retention.make_room(
                 self.store.registration_bytes(staged.layout, extra)
             )
         staged = self.store.get(self.id, staged.id)  # still this client's after the wait
         nbytes = self.store.reserve_slots(self.id, staged, wanted)
-        extra = max(extra, 0)
         refs: list[list[SegmentRef]] = []
         if nbytes:
             nsegments = len(staged.layout.tensors) * extra
@@ -908,10 +906,10 @@ class Session:
         self.daemon.telemetry.restored(body["source"], _finite(body["seconds"]), body["bytes"])
 
     async def job_finished(self, persist: job.PersistJob, result: job.JobResult) -> None:
-        with contextlib.suppress(ConnectionError, TimeoutError, OSError):
-            await self.send(
-                "job_done", 0, {"job": persist.id, "ok": result.ok, "result": result.to_wire()}
-            )
+        """Spawned (``spawn``): a client gone meanwhile ends it quietly."""
+        await self.send(
+            "job_done", 0, {"job": persist.id, "ok": result.ok, "result": result.to_wire()}
+        )
 
 
 def _destination(frame: Frame) -> job.Destination:
