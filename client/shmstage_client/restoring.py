@@ -65,6 +65,9 @@ class Restored:
     job: int | None = None
     #: Why not from memory, when from the files.
     reason: str = ""
+    #: Seconds of each part of a restore from memory: ``lease`` (the daemon's answer and
+    #: descriptors, the manifest checked) and ``transfer`` (to the device, verified).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class NotInMemory(Exception):
@@ -99,13 +102,14 @@ def restore(
             if source != "files":
                 try:
                     connection = connect(socket)
-                    state, nbytes, job = _exact(connection, files, device, verify)
+                    phases: dict[str, float] = {}
+                    state, nbytes, job = _exact(connection, files, device, verify, phases)
                     return _report(
                         connection,
                         started,
                         Restored(
                             state, "memory", files.path, 0.0, nbytes, verify, True,
-                            files.manifest.metadata, job,
+                            files.manifest.metadata, job, phases=phases,
                         ),
                     )
                 except FALLBACK as exc:
@@ -214,15 +218,21 @@ def _report(
 
 
 def _exact(
-    connection: DaemonConnection, files: CheckpointFiles, device: torch.device, verify: bool
+    connection: DaemonConnection,
+    files: CheckpointFiles,
+    device: torch.device,
+    verify: bool,
+    phases: dict[str, float],
 ) -> tuple[Any, int, int]:
     """The checkpoint whose manifest ``files`` read, from the daemon's memory."""
     names = list(files.manifest.files)
     if len(names) != 1:
         raise NotInMemory(f"{len(names)} data files; the daemon holds single-file checkpoints")
+    begun = time.perf_counter()
     lease = lease_exact(connection, files, names[0], keep_fds=True)
+    phases["lease"] = time.perf_counter() - begun
     try:
-        tensors = _read(lease, specs_of(files, names[0]), device, verify)
+        tensors = _read(lease, specs_of(files, names[0]), device, verify, phases)
     finally:
         lease.close()
     return files.state(tensors), sum(lease.sizes), lease.body["job"]
@@ -264,13 +274,19 @@ def placements_of(lease: MemoryLease, specs: list[Spec]) -> list[Placement]:
 
 
 def _read(
-    lease: MemoryLease, specs: list[Spec], device: torch.device, verify: bool
+    lease: MemoryLease,
+    specs: list[Spec],
+    device: torch.device,
+    verify: bool,
+    phases: dict[str, float],
 ) -> dict[str, torch.Tensor]:
     """Copy a leased slot's tensors to ``device``, verified, and end the lease; raises
     NotInMemory when the lease expired before the copy was done (it may be torn)."""
     placements = placements_of(lease, specs)
     where = f"shmstaged's memory (job {lease.body['job']}, {lease.body['directory']})"
+    begun = time.perf_counter()
     tensors = transfer(lease.source(where), placements, device, verify=verify)
+    phases["transfer"] = time.perf_counter() - begun
     if not lease.end():
         raise NotInMemory("the lease on the daemon's memory expired before the copy was done")
     return tensors
@@ -286,6 +302,7 @@ def _latest(
     body: dict[str, Any] = {}
     if like is not None:
         body["structure"] = _structure(like)
+    begun = time.perf_counter()
     fds = []
     if under is not None:
         try:
@@ -310,7 +327,8 @@ def _latest(
                 (spec.key, torch_dtype(spec.key, spec.dtype), spec.shape, None)
                 for spec in layout.tensors
             ]
-        tensors = _read(lease, specs, device, verify)
+        phases = {"lease": time.perf_counter() - begun}
+        tensors = _read(lease, specs, device, verify, phases)
     except NotInMemory as exc:
         exc.path = exc.path or _files_of(lease)
         raise
@@ -328,6 +346,7 @@ def _latest(
         durable,
         metadata,
         info["job"],
+        phases=phases,
     )
 
 

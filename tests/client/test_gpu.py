@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import assert_same
-from shmstage_client import SaveTimeout, Stager, load
-from shmstage_client.pinning import try_pin
+from shmstage_client import SaveTimeout, Stager, load, reading
+from shmstage_client.pinning import PinError, try_pin
 
 pytestmark = [
     pytest.mark.gpu,
@@ -246,6 +246,8 @@ def test_guarded_saves_every_step_of_a_cuda_loop_are_each_the_state_at_the_call(
             handle.wait(120)
     for handle, want in zip(handles, wants, strict=True):
         assert_same(load(handle.path), want)
+
+
 def _gpu_state() -> dict:
     gen = torch.Generator(device="cuda").manual_seed(3)
     return {
@@ -256,9 +258,8 @@ def _gpu_state() -> dict:
 
 
 def test_restore_to_the_gpu_from_memory_and_from_files_is_bit_exact(daemon, ckpt: Path) -> None:
-    """Memory: segments registered read-only chunk by chunk, copied on a side stream and
-    unregistered before unmapping; files: read through pinned buffers. Both bit-exact, and
-    CUDA stays usable (no sticky error left behind)."""
+    """Memory and files both pass through staging buffers the restore registers with CUDA
+    and gives back after; both bit-exact, and CUDA stays usable (no sticky error)."""
     state = _gpu_state()
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "c").wait(120)
@@ -270,4 +271,38 @@ def test_restore_to_the_gpu_from_memory_and_from_files_is_bit_exact(daemon, ckpt
             assert restored.state[key].device.type == "cuda"
             assert torch.equal(restored.state[key].view(torch.uint8), tensor.view(torch.uint8))
     torch.cuda.synchronize()
+    assert torch.ones(1, device="cuda").item() == 1.0
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_back_to_back_restores_reuse_their_staging_and_free_it_when_idle(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch, registered: bool
+) -> None:
+    """A restore leaves its staging buffers to the next one of the process, which frees
+    them after a while unused, unregistering each before unmapping it (registering a
+    range that was unmapped while registered fails with error 712); where registering is
+    refused, torch's pinned memory serves."""
+    monkeypatch.setattr(reading, "CHUNK", 1 << 20)  # many small buffers
+    monkeypatch.setattr(reading, "KEEP_STAGING_S", 0.5)
+    reading._SPARES.free()
+    if not registered:
+
+        def refuse(self: reading._HostBuffer) -> int:
+            raise PinError("refused by the test")
+
+        monkeypatch.setattr(reading._HostBuffer, "_register", refuse)
+    state = _gpu_state()
+    with Stager(daemon.socket) as stager:
+        stager.save(state, ckpt / "c").wait(120)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                restored = load(ckpt / "c", device="cuda", with_info=True, socket=daemon.socket)
+                assert restored.source == "memory"
+                assert_same(restored.state, state)
+            assert reading._SPARES._buffers  # kept for the next restore
+            time.sleep(1.5)
+            assert reading._SPARES._buffers == []
+            # the freed addresses are mapped again and registered anew
+            assert_same(load(ckpt / "c", device="cuda", socket=daemon.socket), state)
     assert torch.ones(1, device="cuda").item() == 1.0

@@ -53,6 +53,8 @@ def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
         assert (first.source, first.verified, first.durable) == ("memory", True, True)
         assert first.path == ckpt / "c1" and first.reason == "" and first.job is not None
         assert first.bytes == sum(t.nbytes for t in _tensors(state(1)))
+        assert set(first.phases) == {"lease", "transfer"}
+        assert 0 < sum(first.phases.values()) <= first.seconds
         assert_same(first.state, state(1))
         stager.save(state(3), ckpt / "c3").wait(60)  # refills c1's slot: the oldest
         gone = restored(ckpt / "c1", daemon)

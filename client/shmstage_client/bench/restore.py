@@ -91,13 +91,15 @@ def _restore_row(seconds: float, restored: Any, expected: Any, note: str) -> dic
     mismatch = first_difference(restored.state, expected)
     fell_back = restored.source == "files" and restored.reason != "source='files'"
     why = f"files because: {restored.reason}" if fell_back else ""
+    phases = ", ".join(f"{name} {value:.3f} s" for name, value in restored.phases.items())
     return {
         "status": "ok",
         "seconds": seconds,
         "restore_seconds": restored.seconds,
+        "phases": restored.phases,
         "bit_exact": not mismatch,
         "verified": restored.verified,
-        "note": "; ".join(filter(None, [note, why, mismatch])),
+        "note": "; ".join(filter(None, [note, phases, why, mismatch])),
         "source": restored.source,
     }
 
