@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shmstage_daemon import gather, job, scheduler
+from shmstage_daemon import job, scheduler
 from shmstage_daemon.admission import Peer
 
 from shmstage import datafile, instance, names, segment
@@ -189,14 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-chunk", default="4MiB")
     parser.add_argument("--write-buffers", default="64MiB")
     parser.add_argument("--buffered", action="store_true", help="the writer without O_DIRECT")
-    parser.add_argument(
-        "--gather-threads", type=int, default=gather.GATHER_THREADS, help="helpers per job"
-    )
     parser.add_argument("--limit-threads", type=int, default=4)
     parser.add_argument("--skip-limits", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    gather.GATHER_THREADS = args.gather_threads
 
     if args.owners > 1 and os.geteuid() != 0:
         parser.error("--owners above 1 writes as other uids: run as root")

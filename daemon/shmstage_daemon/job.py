@@ -328,20 +328,19 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     disk = scheduler.shared()
     writer = disk.writer_for(fd, dest.path)
     owner = job.peer.uid if job.peer is not None else None
+    checksums = []
     job.progress.phase = "writing"
     try:
-        with (
-            disk.open(writer, owner=owner, stop=job.stop, progress=job.progress) as writes,
-            Gatherer(writes) as data,
-        ):
+        with disk.open(writer, owner=owner, stop=job.stop, progress=job.progress) as writes:
+            data = Gatherer(writes)
             data.add_bytes(job.header, "the safetensors header")
             pairs = zip(job.layout.tensors, job.segments, strict=True)
             for index, (spec, ref) in enumerate(pairs):
                 if index == 1 and faults.armed("mid-stream"):
                     data.write_through()  # "mid-stream" means the first tensor is in the file
                     faults.pause("mid-stream")
-                data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}")
-            checksums = data.finish()
+                checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
+            data.finish()
     except scheduler.Stopped:
         raise JobInterrupted from None
     except scheduler.CorruptChunk as exc:

@@ -98,8 +98,8 @@ class _Buffer:
 @dataclass(eq=False)
 class Chunk:
     """A run of the data file's bytes, gathered into an aligned buffer to be written at
-    ``offset``. The job's threads fill it (its own, then one gather helper); once
-    submitted, only an I/O thread reads it."""
+    ``offset``. Only the job's gather thread fills it; once submitted, only an I/O thread
+    reads it."""
 
     buffer: _Buffer
     offset: int
@@ -316,8 +316,7 @@ class WriteScheduler:
 
 
 class JobWrites:
-    """One job's chunks on the pool: its thread takes chunks; its gather helpers submit
-    them (``gather.Gatherer``).
+    """One job's chunks on the pool; used by that job's thread only.
 
     A context manager: leaving it waits until none of the job's writes is in progress and
     drops what is still queued, so no write outlives the job (its descriptor is closed
@@ -392,13 +391,6 @@ class JobWrites:
             pool._queue.put(self.owner, self, chunk)
             pool._grow_if_stalled()
             pool._cond.notify_all()
-
-    def abort(self, error: BaseException) -> None:
-        """Fail the job's writes with ``error`` (a gather helper's): its thread, perhaps
-        waiting for a buffer the failed chunk holds, raises it instead."""
-        pool = self.scheduler
-        with pool._cond:
-            pool._fail(self, error)
 
     def drain(self) -> None:
         """Until every submitted chunk is written; raises the job's first write error."""
