@@ -21,7 +21,7 @@ from safetensors import safe_open
 from shmstage_daemon import faults, job, scheduler
 from shmstage_daemon.chunkwriter import BLOCK
 
-from shmstage import checkpoint, names
+from shmstage import checkpoint, names, segment
 from shmstage.layout import TensorSpec
 
 CHUNK = 16 * BLOCK
@@ -160,6 +160,34 @@ def test_bytes_changed_between_gather_and_write_are_never_published(
     assert not result.ok and result.code == "internal", result
     assert "tensor 't1'" in result.message and "changed in the daemon's memory" in result.message
     assert "nothing was published" in result.message
+    assert entries(tmp_path / "c") == []
+
+
+def test_a_segment_gone_before_it_is_gathered_fails_the_job_without_a_hang(
+    tmp_path: Path, instance_id: str
+) -> None:
+    """A segment that cannot be read fails the job at once, with the pool down to one
+    buffer (which the failed chunk holds): the job fails naming the segment, and removes
+    its files."""
+    disk = scheduler.WriteScheduler(io_threads=1, chunk_bytes=CHUNK, memory_bytes=CHUNK)
+    previous = scheduler.shared()
+    scheduler.install(disk)
+    try:
+        rng = random.Random(3)
+        tensors = tensors_of([rng.randrange(1, 3 * 1024) for _ in range(2000)])
+        persist = staged_job(tmp_path / "c", instance_id, tensors)
+        segment.unlink(persist.segments[1500].name)
+        results: list[job.JobResult] = []
+        runner = threading.Thread(target=lambda: results.append(job.run(persist)), daemon=True)
+        runner.start()
+        runner.join(30)
+    finally:
+        scheduler.install(previous)
+        disk.close()
+    assert results, "the job hung"
+    result = results[0]
+    assert not result.ok and result.code == "storage", result
+    assert persist.segments[1500].name in result.message, result.message
     assert entries(tmp_path / "c") == []
 
 
