@@ -52,6 +52,37 @@ def mapped(refs: list[segment.SegmentRef], sizes: list[int], *, writable: bool) 
     return region
 
 
+def staged(
+    instance_id: str, sizes: list[int], seed: int
+) -> tuple[list[segment.SegmentRef], list[int], list[int]]:
+    """Segments of ``sizes`` filled with seeded random bytes: their refs, their offsets as
+    a client maps them back to back, and their CRC-32Cs."""
+    refs: list[segment.SegmentRef] = []
+    try:
+        for size in sizes:
+            refs.append(segment.create(instance_id, size))
+        layout = mapped(refs, sizes, writable=True)
+    except BaseException:
+        for ref in refs:
+            segment.unlink(ref.name)
+        raise
+    crcs = []
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(len(refs)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            view = torch.frombuffer(layout.buffer(index), dtype=torch.uint8, count=sizes[index])
+        view.copy_(
+            torch.randint(
+                0, 256, (min(sizes[index], 1 << 20),), dtype=torch.uint8, generator=generator
+            ).repeat(-(-sizes[index] // (1 << 20)))[: sizes[index]]
+        )
+        crcs.append(crc32c.crc32c(memoryview(layout.buffer(index))[: sizes[index]]))
+    offsets = layout.offsets
+    layout.close()
+    return refs, offsets, crcs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="1GiB")
@@ -70,24 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[float]] = {}
     try:
         started = time.perf_counter()
-        for size in sizes:
-            refs.append(segment.create(lock.instance, size))
+        refs, offsets, crcs = staged(lock.instance, sizes, args.seed)
         created = time.perf_counter() - started
-        layout = mapped(refs, sizes, writable=True)
-        crcs = []
-        generator = torch.Generator().manual_seed(args.seed)
-        for index in range(len(refs)):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                view = torch.frombuffer(layout.buffer(index), dtype=torch.uint8, count=sizes[index])
-            view.copy_(
-                torch.randint(
-                    0, 256, (min(sizes[index], 1 << 20),), dtype=torch.uint8, generator=generator
-                ).repeat(-(-sizes[index] // (1 << 20)))[: sizes[index]]
-            )
-            crcs.append(crc32c.crc32c(memoryview(layout.buffer(index))[: sizes[index]]))
-        offsets = layout.offsets
-        layout.close()
         print(f"{format_size(total)} in {len(sizes)} segments (created in {created:.2f} s)")
         placements = [
             reading.Placement(f"t{i}", torch.uint8, (sizes[i],), offset, sizes[i], crcs[i])
