@@ -65,8 +65,9 @@ class Restored:
     job: int | None = None
     #: Why not from memory, when from the files.
     reason: str = ""
-    #: Seconds of each part of a restore from memory: ``lease`` (the daemon's answer and
-    #: descriptors, the manifest checked) and ``transfer`` (to the device, verified).
+    #: Seconds of each part of a restore from memory: ``lease`` (asking the daemon and
+    #: receiving its descriptors; for ``latest``, also reading the manifest it names) and
+    #: ``transfer`` (to the device, verified).
     phases: dict[str, float] = field(default_factory=dict)
 
 
