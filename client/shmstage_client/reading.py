@@ -145,6 +145,15 @@ def _pread_exactly(fd: int, buffer: memoryview, offset: int, where: str) -> None
         done += got
 
 
+def prepare(device: torch.device, nbytes: int | None = None) -> None:
+    """Start making the staging buffers of a transfer of ``nbytes`` (None: unknown yet) to
+    ``device`` now, on a thread of its own: a restore calls this before it asks the
+    daemon, whose answer then hides part of registering them in a new process."""
+    if device.type == "cuda":
+        count = MAX_SPARES if nbytes is None else min(MAX_SPARES, -(-nbytes // CHUNK))
+        _SPARES.prepare(count, CHUNK)
+
+
 def transfer(
     source: Source,
     placements: Sequence[Placement],
@@ -259,39 +268,78 @@ class _Staging:
 
 
 class _Spares:
-    """Staging buffers a finished transfer left for the next one in this process — a
+    """Staging buffers for this process's next transfer: left by a finished one — a
     co-located reader loads the newest weights again and again, and registering fresh
-    buffers is a good part of a restore — freed once none was taken for
-    ``KEEP_STAGING_S``."""
+    buffers is a good part of a restore — or made ahead of one (``prepare``); freed once
+    none was taken for ``KEEP_STAGING_S``."""
 
     def __init__(self) -> None:
         self._buffers: list[_HostBuffer] = []
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        #: Buffers of ``_coming_size`` that ``prepare``'s thread is still making.
+        self._coming = 0
+        self._coming_size = 0
         self._timer: threading.Timer | None = None
 
     def take(self, size: int) -> _HostBuffer | None:
-        with self._lock:
-            for index, buffer in enumerate(self._buffers):
-                if buffer.size == size:
-                    return self._buffers.pop(index)
-        return None
+        """A buffer of ``size``, waiting for one being made; None when none is coming."""
+        with self._cond:
+            while True:
+                for index, buffer in enumerate(self._buffers):
+                    if buffer.size == size:
+                        return self._buffers.pop(index)
+                if not self._coming or self._coming_size != size:
+                    return None
+                self._cond.wait(1.0)  # the maker always ends by waking us
+
+    def prepare(self, count: int, size: int) -> None:
+        """Make up to ``count`` buffers of ``size`` on a thread of its own, one at a time
+        (the driver serialises registering anyway), each usable as soon as it is made."""
+        with self._cond:
+            have = sum(1 for buffer in self._buffers if buffer.size == size)
+            if self._coming or have >= count:
+                return
+            self._coming, self._coming_size = count - have, size
+        threading.Thread(
+            target=self._make, args=(count - have, size), name="shmstage-staging", daemon=True
+        ).start()
+
+    def _make(self, count: int, size: int) -> None:
+        try:
+            for _ in range(count):
+                buffer = _HostBuffer(size)
+                with self._cond:
+                    self._buffers.append(buffer)
+                    self._coming -= 1
+                    self._cond.notify_all()
+        except Exception as exc:  # the transfer makes its own, and says so if it must
+            log.debug("could not make staging buffers ahead of a restore: %s", exc)
+        finally:
+            with self._cond:
+                self._coming = 0
+                self._cond.notify_all()
+                self._expire_later()
 
     def keep(self, buffers: list[_HostBuffer]) -> None:
         if not buffers:
             return
-        with self._lock:
+        with self._cond:
             self._buffers.extend(buffers)
             excess = self._buffers[MAX_SPARES:]
             del self._buffers[MAX_SPARES:]
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = threading.Timer(KEEP_STAGING_S, self.free)
-            self._timer.daemon = True
-            self._timer.start()
+            self._expire_later()
         _free_soon(excess)
 
+    def _expire_later(self) -> None:
+        """(Re)start the countdown after which the buffers go (under the lock)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(KEEP_STAGING_S, self.free)
+        self._timer.daemon = True
+        self._timer.start()
+
     def free(self) -> None:
-        with self._lock:
+        with self._cond:
             buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             buffer.free()

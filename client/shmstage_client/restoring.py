@@ -30,6 +30,7 @@ from shmstage import listing
 from shmstage.checkpoint import CheckpointError
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import digest
+from shmstage_client import reading
 from shmstage_client.connection import DaemonConnection
 from shmstage_client.errors import SaveError
 from shmstage_client.lease import MemoryLease
@@ -100,6 +101,7 @@ def restore(
     reason = "source='files'"
     try:
         with CheckpointFiles(path) as files:
+            reading.prepare(device, sum(files.manifest.files.values()))
             if source != "files":
                 try:
                     connection = connect(socket)
@@ -159,6 +161,7 @@ def latest(
     started = time.perf_counter()
     connection: DaemonConnection | None = None
     reason, hint = "source='files'", None
+    reading.prepare(device)
     try:
         if source != "files":
             try:

@@ -289,3 +289,53 @@ def test_mapped_bytes_are_read_into_a_staging_buffer_exactly() -> None:
     staging = bytearray(b"..........")
     source.read_into(3, memoryview(staging)[2:6])
     assert staging == b"..3456...."
+
+
+class _FakeStaging:
+    """Stands in for a staging buffer registered with CUDA, which a machine without a GPU
+    cannot make (a stand-in for that reason only): takes a while to make, like one."""
+
+    made = 0
+
+    def __init__(self, size: int) -> None:
+        time.sleep(0.05)
+        self.size, self.freed = size, False
+        type(self).made += 1
+
+    def free(self) -> None:
+        self.freed = True
+
+
+def test_staging_made_ahead_is_taken_as_it_comes_and_never_made_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restore starts making its staging buffers before it asks the daemon; its readers
+    then wait for those being made rather than register more of their own."""
+    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
+    monkeypatch.setattr(_FakeStaging, "made", 0)
+    spares = reading._Spares()
+    spares.prepare(3, 1024)
+    taken = [spares.take(1024) for _ in range(3)]  # the first waits for the maker
+    assert all(taken) and _FakeStaging.made == 3
+    assert spares.take(1024) is None  # nothing more coming: the transfer makes its own
+    assert spares.take(2048) is None  # nor of another size
+    spares.keep(taken)
+    spares.prepare(3, 1024)  # enough are kept: none made
+    assert _FakeStaging.made == 3
+    spares.free()
+    assert all(buffer.freed for buffer in taken)
+
+
+def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(size: int) -> None:
+        time.sleep(0.05)
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(reading, "_HostBuffer", fail)
+    spares = reading._Spares()
+    spares.prepare(2, 1024)
+    begun = time.monotonic()
+    assert spares.take(1024) is None  # the transfer then makes its own, and says so
+    assert time.monotonic() - begun < 1.0
