@@ -31,6 +31,7 @@ from shmstage.checkpoint import CheckpointError
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import digest
 from shmstage_client import reading
+from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection
 from shmstage_client.errors import SaveError
 from shmstage_client.lease import MemoryLease
@@ -85,6 +86,7 @@ class NotInMemory(Exception):
 FALLBACK = (SaveError, CheckpointError, OSError, ValueError, LayoutError)
 
 
+@collection_paused()  # see ``collection``
 def restore(
     path: str | os.PathLike[str],
     device: str | torch.device = "cpu",
@@ -137,6 +139,7 @@ def restore(
             connection.close()
 
 
+@collection_paused()
 def latest(
     device: str | torch.device = "cpu",
     *,

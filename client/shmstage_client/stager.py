@@ -25,17 +25,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from shmstage.layout import Layout
+from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection, RequestHandle, receivable_fds
 from shmstage_client.destination import (
     DEFAULT_DATA_FILE,
@@ -224,7 +224,7 @@ class Stager:
         meanwhile, and starts nothing until the client reports the copy complete.
         """
         clock = Clock()
-        with _collection_paused():
+        with collection_paused():
             self._await_landing(clock)
             prepared = Prepared.of(state_dict, offsets)
             prepared.check(self._layout.signature if self._layout is not None else None)
@@ -271,7 +271,7 @@ class Stager:
         ``save()``: ``Staged.landing`` follows the copy, and ``commit()`` waits for it.
         """
         clock = Clock()
-        with _collection_paused():
+        with collection_paused():
             self._await_landing(clock)
             prepared = Prepared.of(state_dict, offsets)
             clock.lap("prepare")
@@ -605,22 +605,3 @@ def _report(handle: SaveHandle, timings: SaveTimings) -> None:
     """Tell the daemon what the save cost the trainer (for its log line and metrics)."""
     with contextlib.suppress(SaveError, OSError):
         handle._connection.post("report", {"job": handle.job, **timings.wire()})
-
-
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Hold off Python's cyclic garbage collector for the duration of a save.
-
-    A 10,000-tensor save allocates tens of thousands of short-lived containers (the
-    encoded tree, the copy lists); with the collector on they trip full collections,
-    each a traversal of every object in a torch process (~100 ms measured), inside the
-    training stall. They are acyclic and freed by reference counting when the save
-    returns, so pausing loses nothing; a collector the caller disabled stays disabled.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

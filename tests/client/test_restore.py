@@ -65,6 +65,37 @@ def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
         assert_same(load(ckpt / "c3", socket=daemon.socket), state(3))
 
 
+def test_restores_hold_off_the_garbage_collector_and_leave_it_as_the_caller_set_it(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new process's first restore of 500 tensors spent 80 ms in one full collection
+    (see ``collection``); load() and latest() now run with the collector held off."""
+    import gc
+
+    from shmstage_client import restoring
+
+    seen: list[bool] = []
+    original = restoring.transfer
+
+    def spying(*args: object, **kwargs: object) -> object:
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(restoring, "transfer", spying)
+    with Stager(daemon.socket) as stager:
+        stager.save(state(1), ckpt / "c").wait(60)
+        assert restored(ckpt / "c", daemon).source == "memory"
+        assert latest(socket=daemon.socket).source == "memory"
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            restored(ckpt / "c", daemon)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    assert seen == [False, False, False]
+
+
 def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free(
     daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

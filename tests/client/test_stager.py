@@ -232,7 +232,7 @@ def test_a_tensor_that_turns_unsupported_in_an_unchanged_structure_is_still_refu
 
 
 def test_saving_leaves_the_garbage_collector_as_the_caller_set_it(daemon, ckpt: Path) -> None:
-    """save() holds off cyclic collection while it runs (see stager._collection_paused)."""
+    """save() holds off cyclic collection while it runs (see ``collection``)."""
     with Stager(daemon.socket) as stager:
         assert gc.isenabled()
         stager.save({"w": torch.ones(4)}, ckpt / "a").wait(60)
