@@ -18,7 +18,9 @@ finished.
 Copying the daemon's segments through the pinned buffers beat registering them with CUDA
 in place (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) on the H100 host: 8 GiB in
 0.29-0.32 s against 0.51-0.56 s on 16 threads, both verified; pinning a fresh mapping costs
-per 4 KiB page, a memcpy does not.
+per 4 KiB page, a memcpy does not. The staging buffers outlive a transfer (``_Spares``):
+a restore starts making them before it asks the daemon (``prepare``), and the process's
+next restore finds them registered.
 """
 
 from __future__ import annotations
@@ -386,7 +388,7 @@ class _Transfer:
         spans = [(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)]
         if self.cuda:
             # one buffer per thread and two spare, so a reader rarely waits for a copy;
-            # no more: a restarted process pins fresh memory at ~0.5 s/GiB on a VM host
+            # no more: a restarted process registers each one, serialised by the driver
             self._staging = _Staging(min(len(spans), self.threads + 2) or 1, CHUNK)
         try:
             if len(spans) <= 1 or self.threads == 1:
