@@ -14,13 +14,14 @@ thread count and verification varied around the defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import crc32c
 import torch
@@ -52,35 +53,52 @@ def mapped(refs: list[segment.SegmentRef], sizes: list[int], *, writable: bool) 
     return region
 
 
+@contextlib.contextmanager
 def staged(
-    instance_id: str, sizes: list[int], seed: int
-) -> tuple[list[segment.SegmentRef], list[int], list[int]]:
-    """Segments of ``sizes`` filled with seeded random bytes: their refs, their offsets as
-    a client maps them back to back, and their CRC-32Cs."""
+    sizes: list[int], seed: int
+) -> Iterator[tuple[list[segment.SegmentRef], list[int], list[int]]]:
+    """Segments of ``sizes``, under an instance of their own, filled with seeded random
+    bytes: their refs, their offsets as a client maps them back to back, and their
+    CRC-32Cs. Unlinked on leaving, whatever happened."""
+    lock = instance.InstanceLock.claim()
     refs: list[segment.SegmentRef] = []
     try:
         for size in sizes:
-            refs.append(segment.create(instance_id, size))
+            refs.append(segment.create(lock.instance, size))
         layout = mapped(refs, sizes, writable=True)
-    except BaseException:
+        crcs = []
+        generator = torch.Generator().manual_seed(seed)
+        for index in range(len(refs)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                view = torch.frombuffer(layout.buffer(index), dtype=torch.uint8, count=sizes[index])
+            view.copy_(
+                torch.randint(
+                    0, 256, (min(sizes[index], 1 << 20),), dtype=torch.uint8, generator=generator
+                ).repeat(-(-sizes[index] // (1 << 20)))[: sizes[index]]
+            )
+            crcs.append(crc32c.crc32c(memoryview(layout.buffer(index))[: sizes[index]]))
+        offsets = layout.offsets
+        layout.close()
+        yield refs, offsets, crcs
+    finally:
         for ref in refs:
             segment.unlink(ref.name)
-        raise
-    crcs = []
-    generator = torch.Generator().manual_seed(seed)
-    for index in range(len(refs)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            view = torch.frombuffer(layout.buffer(index), dtype=torch.uint8, count=sizes[index])
-        view.copy_(
-            torch.randint(
-                0, 256, (min(sizes[index], 1 << 20),), dtype=torch.uint8, generator=generator
-            ).repeat(-(-sizes[index] // (1 << 20)))[: sizes[index]]
-        )
-        crcs.append(crc32c.crc32c(memoryview(layout.buffer(index))[: sizes[index]]))
-    offsets = layout.offsets
-    layout.close()
-    return refs, offsets, crcs
+        lock.release()
+
+
+def h2d(total: int, device: torch.device) -> float:
+    """Seconds of the raw pinned host-to-device copy of ``total`` bytes (the limit)."""
+    chunk = min(total, 1 << 30)
+    pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(chunk, dtype=torch.uint8, device=device)
+    target.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    begun = time.perf_counter()
+    for _ in range(-(-total // chunk)):
+        target.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - begun
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,30 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     total = parse_size(args.size)
     sizes = sizes_of(total, args.tensors, args.seed)
-    lock = instance.InstanceLock.claim()
-    refs: list[segment.SegmentRef] = []
     results: dict[str, list[float]] = {}
-    try:
-        started = time.perf_counter()
-        refs, offsets, crcs = staged(lock.instance, sizes, args.seed)
+    started = time.perf_counter()
+    with staged(sizes, args.seed) as (refs, offsets, crcs):
         created = time.perf_counter() - started
         print(f"{format_size(total)} in {len(sizes)} segments (created in {created:.2f} s)")
         placements = [
             reading.Placement(f"t{i}", torch.uint8, (sizes[i],), offset, sizes[i], crcs[i])
             for i, offset in enumerate(offsets)
         ]
-
-        def h2d() -> float:
-            chunk = min(total, 1 << 30)
-            pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
-            target = torch.empty(chunk, dtype=torch.uint8, device=device)
-            target.copy_(pinned, non_blocking=True)
-            torch.cuda.synchronize()
-            begun = time.perf_counter()
-            for _ in range(-(-total // chunk)):
-                target.copy_(pinned, non_blocking=True)
-            torch.cuda.synchronize()
-            return time.perf_counter() - begun
 
         def through_fds(threads: int, verify: bool = True) -> Callable[[], float]:
             def run() -> float:
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
         default = reading.MAX_THREADS
         variants: dict[str, Callable[[], float]] = {
-            "raw pinned H2D (limit)": h2d,
+            "raw pinned H2D (limit)": lambda: h2d(total, device),
             f"descriptors, {default} threads (default)": through_fds(default),
             f"descriptors, {default} threads, verify=False": through_fds(default, verify=False),
             f"mapped, {default} threads": restore(default),
@@ -172,10 +175,6 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{s:.3f}" for s in samples)
                 + ")"
             )
-    finally:
-        for ref in refs:
-            segment.unlink(ref.name)
-        lock.release()
     return 0
 
 

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memory_read_bench import sizes_of, staged
+from memory_read_bench import h2d, sizes_of, staged
 
-from shmstage import instance, segment
+from shmstage import segment
 from shmstage.units import format_size, parse_size
 
 
@@ -55,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     total = parse_size(args.size)
     sizes = sizes_of(total, args.tensors, args.seed)
-    lock = instance.InstanceLock.claim()
-    refs: list[segment.SegmentRef] = []
-    try:
-        refs, offsets, crcs = staged(lock.instance, sizes, args.seed)
-        limit = h2d(total)
+    with staged(sizes, args.seed) as (refs, offsets, crcs):
+        limit = statistics.median(h2d(total, torch.device("cuda")) for _ in range(3))
         print(f"{format_size(total)} in {len(sizes)} segments; raw pinned H2D {limit:.3f} s")
         with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
             json.dump(
@@ -93,27 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{s[0]:.3f}" for s in samples)
                 + ")"
             )
-    finally:
-        for ref in refs:
-            segment.unlink(ref.name)
-        lock.release()
     return 0
-
-
-def h2d(total: int) -> float:
-    import torch
-
-    chunk = min(total, 1 << 30)
-    pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
-    target = torch.empty(chunk, dtype=torch.uint8, device="cuda")
-    samples = []
-    for _ in range(3):
-        begun = time.perf_counter()
-        for _ in range(-(-total // chunk)):
-            target.copy_(pinned, non_blocking=True)
-        torch.cuda.synchronize()
-        samples.append(time.perf_counter() - begun)
-    return statistics.median(samples)
 
 
 def child(spec_path: Path, variant: str) -> int:
