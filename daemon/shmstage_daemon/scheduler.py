@@ -36,9 +36,10 @@ import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
-from shmstage.checkpoint import checksum
+import crc32c
+
 from shmstage_daemon import chunkwriter, faults
 from shmstage_daemon.chunkwriter import BLOCK, ChunkWriter, RefusalLog
 from shmstage_daemon.fairness import FairQueue
@@ -64,9 +65,11 @@ class Progress(Protocol):
     written: int
 
 
-@dataclass(frozen=True, slots=True)
-class Check:
-    """One piece of a chunk as gathered: ``crc32c(chunk[start:end], seed) == crc``."""
+class Check(NamedTuple):
+    """One piece of a chunk as gathered: ``crc32c(chunk[start:end], seed) == crc``.
+
+    A named tuple, not a frozen dataclass: at 10,000 tensors a job makes one per tensor on
+    the thread that limits the write, and a tuple is made in a third of the time."""
 
     start: int
     end: int
@@ -120,8 +123,9 @@ class Chunk:
 
     def verify(self) -> None:
         """Recompute every piece's checksum: what is written is what was checksummed."""
-        for check in self.checks:
-            actual = checksum(self.view[check.start : check.end], check.seed)
+        view = self.view
+        for check in self.checks:  # pieces of at most a chunk: crc32c itself, no wrapper
+            actual = crc32c.crc32c(view[check.start : check.end], check.seed)
             if actual != check.crc:
                 raise CorruptChunk(
                     f"the bytes of {check.what} changed in the daemon's memory between "
