@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from shmstage_client.errors import DaemonLost, PersistError, SaveError, SaveTimeout
 
@@ -139,13 +139,24 @@ class Clock:
 @dataclass(frozen=True)
 class SaveResult:
     """What a finished save cost: the trainer's part (``timings``, as on the handle) and
-    the daemon's (``persist_seconds``, from the commit until the checkpoint was durable)."""
+    the daemon's (``persist_seconds``, from the commit until the checkpoint was durable).
+
+    The daemon's part, split: ``gather_seconds`` — its writer reading and checksumming the
+    staged tensors; ``disk_wait_seconds`` — the writer waiting on the disk; ``sync_seconds``
+    — the data file's fsync; ``publish_seconds`` — manifest, renames, directory sync. A
+    large gather and little disk wait means the writer, not the disk, set the pace (many
+    small tensors); the reverse, the disk. All 0 from a daemon that does not report them.
+    """
 
     path: Path
     bytes: int
     timings: SaveTimings
     persist_seconds: float
     files: tuple[str, ...]
+    gather_seconds: float = 0.0
+    disk_wait_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    publish_seconds: float = 0.0
 
     @property
     def stall_seconds(self) -> float:
@@ -319,6 +330,7 @@ class SaveHandle:
                 timings=self.timings,
                 persist_seconds=float(result["persist_seconds"]),
                 files=tuple(result["files"]),
+                **_write_phases(result.get("phases")),
             )
             self._conclude(None)
             return
@@ -413,3 +425,21 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+#: The daemon's split of ``persist_seconds`` (a ``job_done`` result's ``phases``).
+WRITE_PHASES: Final = ("gather_seconds", "disk_wait_seconds", "sync_seconds", "publish_seconds")
+
+
+def _write_phases(phases: object) -> dict[str, float]:
+    """The phases a result reported, those that are plain non-negative numbers."""
+    if not isinstance(phases, dict):
+        return {}
+    return {
+        key: float(value)
+        for key, value in phases.items()
+        if key in WRITE_PHASES
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value >= 0
+    }

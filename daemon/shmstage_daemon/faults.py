@@ -13,7 +13,8 @@ thread that reached the point (only the n-th time it is reached, with ``@n``) an
 removes the directory, or whatever the case needs. The one error action,
 ``eio-<point>:<n>``, makes the n-th write at that point fail with EIO: a shim for the one
 storage fault a test cannot cause for real on this kernel (no device-mapper); the tests that
-use it say so. ``flip-gathered:<n>`` flips a bit in the n-th chunk the writer gathered,
+use it say so. ``pause-write:<seconds>`` holds up every data write: a slow disk, for the
+same reason. ``flip-gathered:<n>`` flips a bit in the n-th chunk the writer gathered,
 after its checksums were taken and before it is written: a shim for memory corruption,
 which no test can cause for real, to show it is caught before anything is published.
 
@@ -42,7 +43,7 @@ POINTS: Final = frozenset(
         "register",  # in the I/O thread, after a layout's segments exist, before the reply
         "mid-stream",  # in the writer, after the first tensor of a data file is written
         "before-manifest",  # in the writer, after the data file has its final name
-        "write",  # every data write of the writer (only with eio-)
+        "write",  # every data write of the writer (eio- fails one; pause- slows each)
         "sync-dir",  # the writer's last step, after the manifest has its name (eio-)
         "gathered",  # each chunk the writer gathered, before it is queued (only with flip-)
     }

@@ -138,11 +138,40 @@ class JobResult:
     #: ``manifest.digest`` of the manifest written: what names this checkpoint's contents
     #: when a reader asks for it from memory (empty when the job did not write it).
     digest: str = ""
+    #: Where ``seconds`` went, for a job that wrote its data file.
+    phases: WritePhases | None = None
 
     def to_wire(self) -> dict[str, Any]:
         if self.ok:
-            return {"bytes": self.bytes, "persist_seconds": self.seconds, "files": self.files}
+            return {
+                "bytes": self.bytes,
+                "persist_seconds": self.seconds,
+                "files": self.files,
+                "phases": self.phases.wire() if self.phases is not None else {},
+            }
         return {"code": self.code, "message": self.message, "persist_seconds": self.seconds}
+
+
+@dataclass
+class WritePhases:
+    """Where a job's time went, in seconds: ``gather`` — its thread reading and
+    checksumming the segments into chunks (its own work: at 10,000 tensors, what limits
+    the write); ``disk_wait`` — that thread waiting on the disk (all its buffers in flight,
+    or its last writes); ``sync`` — finishing the data file and its fsync; ``publish`` —
+    manifest, renames and the directory's sync. Reported with the result (the client's
+    ``SaveResult``), logged, and shown by the bench."""
+
+    gather: float = 0.0
+    disk_wait: float = 0.0
+    sync: float = 0.0
+    publish: float = 0.0
+
+    def wire(self) -> dict[str, float]:
+        return {f"{name}_seconds": value for name, value in vars(self).items()}
+
+    def describe(self) -> str:
+        parts = (f"{name.replace('_', ' ')} {value:.3f} s" for name, value in vars(self).items())
+        return ", ".join(parts)
 
 
 class JobFailed(Exception):
@@ -191,12 +220,18 @@ def run(job: PersistJob) -> JobResult:
         job.destination.close()
 
 
-def _published(job: PersistJob, size: int, started: float, digest: str = "") -> JobResult:
+def _published(
+    job: PersistJob, size: int, started: float, digest: str = "", phases: WritePhases | None = None
+) -> JobResult:
+    now = time.perf_counter()
+    if phases is not None:
+        phases.publish = max(0.0, now - started - phases.gather - phases.disk_wait - phases.sync)
     return JobResult(
         job.id,
         True,
         bytes=size,
-        seconds=time.perf_counter() - started,
+        seconds=now - started,
+        phases=phases,
         files=[job.destination.data_file, MANIFEST_NAME],
         digest=digest,
     )
@@ -215,8 +250,9 @@ def _run(job: PersistJob) -> JobResult:
             _remove_temps(dest)
             _publish_directory(job, step)
             return _published(job, size, started)
+        phases = WritePhases()
         with credentials.as_daemon():  # the staged segments are the daemon's own
-            total, checksums = _write_data(job, step)
+            total, checksums = _write_data(job, step, phases)
         step.now = f"publishing {dest.data_file}"
         check_stop(job)
         _check_writable(job)
@@ -246,7 +282,7 @@ def _run(job: PersistJob) -> JobResult:
             faults.maybe_eio("sync-dir")
         _sync_dir(dest, job.fsync)
         _publish_directory(job, step)
-        return _published(job, total, started, manifest.digest(document))
+        return _published(job, total, started, manifest.digest(document), phases)
     except JobInterrupted:
         return _interrupted(job, step, started)
     except JobFailed as exc:
@@ -310,7 +346,7 @@ def _storage_message(dest: Destination, step: str, exc: OSError) -> str:
     return f"{step} in {where} failed: {exc.strerror or exc} ({code}); {advice}"
 
 
-def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
+def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, list[int]]:
     """Stream the data file (header, then every tensor), and fsync it.
 
     The bytes go through the process's write scheduler: this thread gathers them into
@@ -330,6 +366,7 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
     owner = job.peer.uid if job.peer is not None else None
     checksums = []
     job.progress.phase = "writing"
+    began = time.perf_counter()
     try:
         with disk.open(writer, owner=owner, stop=job.stop, progress=job.progress) as writes:
             data = Gatherer(writes)
@@ -341,15 +378,19 @@ def _write_data(job: PersistJob, step: Step) -> tuple[int, list[int]]:
                     faults.pause("mid-stream")
                 checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
             data.finish()
+            phases.disk_wait = writes.waited
+            phases.gather = time.perf_counter() - began - writes.waited
     except scheduler.Stopped:
         raise JobInterrupted from None
     except scheduler.CorruptChunk as exc:
         raise JobFailed(ErrorCode.INTERNAL, str(exc)) from None
+    began = time.perf_counter()
     writer.finish(size)
     job.progress.phase = "syncing"
     step.now = f"syncing {dest.data_file}"
     if job.fsync:
         os.fsync(fd)
+    phases.sync = time.perf_counter() - began
     return size, checksums
 
 

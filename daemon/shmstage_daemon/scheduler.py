@@ -287,6 +287,7 @@ class WriteScheduler:
                 if writes.stop.is_set():
                     raise Stopped
                 faults.maybe_eio("write")
+                faults.pause("write")
                 chunk.verify()
                 writes.writer.write(chunk.view, chunk.offset, chunk.length)
             except BaseException as exc:  # the job's to raise, never the pool's
@@ -344,6 +345,10 @@ class JobWrites:
         self.held = 0  # buffers out of the pool: being gathered, queued or being written
         self.queued = 0
         self.writing = 0
+        #: Seconds the job's thread waited on the disk: for a buffer while its share was
+        #: in flight, and for its last writes (``drain``). The rest of its time gathering
+        #: is its own work, so this tells a disk-bound write from a writer-bound one.
+        self.waited = 0.0
         self._gathering: list[Chunk] = []
         self._closed = False
 
@@ -361,6 +366,7 @@ class JobWrites:
         """
         pool = self.scheduler
         with pool._cond:
+            began = 0.0
             while True:
                 self._check()
                 if self.held < pool.share(self.owner):
@@ -368,8 +374,11 @@ class JobWrites:
                     if buffer:
                         self.held += 1
                         break
+                began = began or time.perf_counter()
                 pool._grow_if_stalled()
                 pool._cond.wait(POLL_S)
+            if began:
+                self.waited += time.perf_counter() - began
         if buffer is True:  # mapped outside the lock: populating takes a millisecond or two
             try:
                 buffer = _Buffer(pool.chunk_bytes)
@@ -399,12 +408,14 @@ class JobWrites:
     def drain(self) -> None:
         """Until every submitted chunk is written; raises the job's first write error."""
         pool = self.scheduler
+        began = time.perf_counter()
         with pool._cond:
             while self.queued or self.writing:
                 if self.stop.is_set() and self.failure is None:
                     pool._fail(self, Stopped())
                 pool._grow_if_stalled()
                 pool._cond.wait(POLL_S)
+            self.waited += time.perf_counter() - began
             self._check()
 
     def write_through(self, chunk: Chunk) -> None:

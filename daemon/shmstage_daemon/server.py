@@ -733,9 +733,7 @@ class Daemon:
         # Whatever else the predecessor left (its lock file) goes now, except the segments
         # of jobs still owed.
         keep = {name for owed in self._owed.values() for name, _ in owed.segments}
-        reap = functools.partial(
-            instance.reap_dead, keep=keep, own_journals=self._own_journals()
-        )
+        reap = functools.partial(instance.reap_dead, keep=keep, own_journals=self._own_journals())
         self.track(asyncio.ensure_future(self.run_io(reap)))
 
     def session_closed(self, session: Session) -> None:
@@ -791,11 +789,12 @@ class Daemon:
             self.stats["saves"] += 1
             self.stats["bytes"] += result.bytes
             log.info(
-                "job %d: %s written, %d bytes in %.3f s%s",
+                "job %d: %s written, %d bytes in %.3f s%s%s",
                 result.job,
                 record.persist.destination.data_file,
                 result.bytes,
                 result.seconds,
+                f" ({result.phases.describe()})" if result.phases is not None else "",
                 describe_stall(record.persist.client_timings),
             )
         else:

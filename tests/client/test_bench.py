@@ -194,6 +194,10 @@ def test_peers_scenario_every_row_present(tmp_path: Path) -> None:
         assert rows[name]["durable_vs_direct"] > 0
         assert rows[name]["dirty_writeback_peak_bytes"] is not None
         assert rows[name]["file_cache_delta_bytes"] is not None
+    # where the daemon's writer spent a steady save's persist time, for shmstage rows only
+    assert "writer: gather " in rows["shmstage-steady"]["note"]
+    assert rows["shmstage-steady"]["samples"][0]["detail"]["gather_seconds"] > 0
+    assert "writer:" not in rows["torch-save"]["note"]
     trainer = report.rows_by_name(rep, "trainer")
     assert_ok(trainer, "idle (nothing in flight)", "while shmstaged persists")
     assert trainer["idle (nothing in flight)"]["step_s"] > 0

@@ -12,6 +12,7 @@ import torch
 from client_helpers import SlowFilesystem
 from harness import start_daemon
 from shmstage_client import SaveEvent, Stager
+from shmstage_client.handle import WRITE_PHASES, _write_phases
 
 from shmstage import segment
 from shmstage.control import ControlClient
@@ -83,9 +84,7 @@ def test_the_daemon_logs_and_measures_the_wall_clock_stall_not_the_copy(
             t = handle.timings
             assert t.stall_seconds >= 3 * slow_filesystem.delay > 10 * t.copy_seconds
             handle.wait(60)
-        line = next(
-            line for line in daemon.log().splitlines() if f"job {handle.job}: " in line
-        )
+        line = next(line for line in daemon.log().splitlines() if f"job {handle.job}: " in line)
         assert f"trainer stall {t.stall_seconds:.3f} s (copy {t.copy_seconds:.3f} s" in line
         with ControlClient(daemon.socket) as control:
             metrics = control.metrics()
@@ -97,6 +96,39 @@ def test_the_daemon_logs_and_measures_the_wall_clock_stall_not_the_copy(
         daemon.kill()
         for name in segment.list_names(daemon.instance):
             segment.unlink(name)
+
+
+def test_a_result_splits_the_daemons_persist_time(daemon, ckpt: Path) -> None:
+    """The writer gathering, waiting on the disk, syncing, publishing: each non-negative,
+    together within ``persist_seconds`` (which also counts the job's start), and the same
+    figures in the daemon's line for the job."""
+    state = {f"w{i}": torch.full((1024 + i,), float(i)) for i in range(200)}
+    with Stager(daemon.socket) as stager:
+        handle = stager.save(state, ckpt / "c")
+        result = handle.wait(60)
+    parts = [getattr(result, name) for name in WRITE_PHASES]
+    assert all(part >= 0 for part in parts), parts
+    assert result.gather_seconds > 0 and result.publish_seconds > 0, parts
+    assert sum(parts) <= result.persist_seconds + 1e-6
+    line = next(
+        line
+        for line in daemon.log().splitlines()
+        if f"job {handle.job}: " in line and "written" in line
+    )
+    assert (
+        f"gather {result.gather_seconds:.3f} s, disk wait {result.disk_wait_seconds:.3f} s" in line
+    )
+
+
+def test_write_phases_from_the_daemon_are_taken_only_when_plausible() -> None:
+    """A daemon that does not report them, or reports nonsense, leaves the fields at 0."""
+    assert _write_phases(None) == {}
+    assert _write_phases({"gather_seconds": 1, "disk_wait_seconds": 0.5}) == {
+        "gather_seconds": 1.0,
+        "disk_wait_seconds": 0.5,
+    }
+    junk = {"gather_seconds": True, "sync_seconds": -1.0, "publish_seconds": "2", "rm": 1.0}
+    assert _write_phases(junk) == {}
 
 
 def test_a_report_of_a_job_that_is_not_the_clients_is_ignored(raw_client) -> None:

@@ -163,6 +163,38 @@ def test_bytes_changed_between_gather_and_write_are_never_published(
     assert entries(tmp_path / "c") == []
 
 
+def test_a_job_reports_where_its_time_went(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler
+) -> None:
+    """Gathering, waiting on the disk, syncing, publishing: none negative, together the
+    job's time, and on the wire as the client reads them."""
+    tensors = tensors_of([4096 + 3 * i for i in range(300)])
+    result = job.run(staged_job(tmp_path / "c", instance_id, tensors))
+    assert result.ok and result.phases is not None, result
+    phases = result.phases.wire()
+    assert set(phases) == {"gather_seconds", "disk_wait_seconds", "sync_seconds", "publish_seconds"}
+    assert all(value >= 0 for value in phases.values()), phases
+    assert phases["gather_seconds"] > 0 and phases["publish_seconds"] > 0, phases
+    assert sum(phases.values()) == pytest.approx(result.seconds, abs=1e-3)
+    assert result.to_wire()["phases"] == phases
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
+@pytest.mark.parametrize("fault", ["pause-write:0.05"], indirect=True)
+def test_a_slow_disk_shows_as_disk_wait_not_as_gathering(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, fault: None
+) -> None:
+    """Every write held up 50 ms (a slow disk: the fault hook, since no test can slow this
+    disk for real): the job's thread spends that time waiting for its buffers to come
+    back, and says so, rather than counting it as its own gathering."""
+    tensors = tensors_of([CHUNK] * 12)  # 13 chunks on 3 I/O threads: >= 0.2 s of writes
+    result = job.run(staged_job(tmp_path / "c", instance_id, tensors))
+    assert result.ok and result.phases is not None, result
+    assert result.phases.disk_wait >= 0.1, result.phases
+    assert result.phases.disk_wait > 4 * result.phases.gather, result.phases
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
 def test_a_segment_gone_before_it_is_gathered_fails_the_job_without_a_hang(
     tmp_path: Path, instance_id: str
 ) -> None:

@@ -144,7 +144,7 @@ def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
                 "kind": r.kind,
                 "description": r.description,
                 "status": r.status,
-                "note": r.note,
+                "note": "; ".join(filter(None, [r.note, writer_note(r)])),
                 "error": r.error,
                 "traceback": r.traceback,
                 "repeats": len(r.samples),
@@ -184,6 +184,27 @@ def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
         rows=rows,
         chart=["stall_s", "durable_s"],
     )
+
+
+def writer_note(result: MethodResult) -> str:
+    """Where shmstaged's writer spent a steady save's persist time (medians), for the rows
+    whose saves report it: a writer that gathers longer than it waits on the disk, not
+    the disk, sets the pace (many small tensors)."""
+    parts = {
+        label: result.median_detail(key)
+        for label, key in (
+            ("gather", "gather_seconds"),
+            ("disk wait", "disk_wait_seconds"),
+            ("sync", "sync_seconds"),
+            ("publish", "publish_seconds"),
+        )
+    }
+    if parts["gather"] is None:
+        return ""
+    shown = ", ".join(
+        f"{label} {value:.3f} s" for label, value in parts.items() if value is not None
+    )
+    return f"writer: {shown}"
 
 
 def trainer_table(results: list[MethodResult]) -> Table:

@@ -37,6 +37,11 @@ PARTS = (
     "copy_wait_seconds",
     "deferred_copy_seconds",
     "staged_seconds",
+    # the daemon's split of persist_seconds (SaveResult): writer-bound or disk-bound
+    "gather_seconds",
+    "disk_wait_seconds",
+    "sync_seconds",
+    "publish_seconds",
 )
 
 
