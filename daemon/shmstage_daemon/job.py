@@ -35,7 +35,7 @@ from shmstage.layout import Layout
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import ErrorCode
 from shmstage.segment import SegmentRef
-from shmstage_daemon import credentials, faults, scheduler
+from shmstage_daemon import credentials, faults, gather, scheduler
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.chunkwriter import write_all
 from shmstage_daemon.gather import Gatherer
@@ -121,6 +121,9 @@ class PersistJob:
     #: Set by a daemon that is stopping and can wait no longer: the job stops at its next
     #: write and leaves every file in place for the journal (see ``JobInterrupted``).
     stop: threading.Event = field(default_factory=threading.Event)
+    #: The layout's manifest entries for this data file, from an earlier save of it; the
+    #: job renders them when there are none and hands them back with its result.
+    entries: manifest.TensorEntries | None = None
 
 
 @dataclass
@@ -140,6 +143,8 @@ class JobResult:
     digest: str = ""
     #: Where ``seconds`` went, for a job that wrote its data file.
     phases: WritePhases | None = None
+    #: The manifest entries it rendered from, for the layout's next save (never sent).
+    entries: manifest.TensorEntries | None = None
 
     def to_wire(self) -> dict[str, Any]:
         if self.ok:
@@ -157,7 +162,8 @@ class WritePhases:
     """Where a job's time went, in seconds: ``gather`` — its thread reading and
     checksumming the segments into chunks (its own work: at 10,000 tensors, what limits
     the write); ``disk_wait`` — that thread waiting on the disk (all its buffers in flight,
-    or its last writes); ``sync`` — finishing the data file and its fsync; ``publish`` —
+    or its last writes; with several gatherers, their average); ``sync`` — finishing the
+    data file and its fsync; ``publish`` —
     manifest, renames and the directory's sync. Reported with the result (the client's
     ``SaveResult``), logged, and shown by the bench."""
 
@@ -260,15 +266,14 @@ def _run(job: PersistJob) -> JobResult:
         faults.pause("before-manifest")
         step.now = f"writing {MANIFEST_NAME}"
         job.progress.phase = "committing"
-        document = manifest.build(
-            job.layout,
-            dest.data_file,
-            total,
-            checksums,
-            job.tree,
-            job.metadata,
-            job.save_info,
-        ).to_bytes()
+        entries = job.entries
+        if (
+            entries is None
+            or entries.data_file != dest.data_file
+            or entries.layout is not job.layout
+        ):
+            entries = manifest.TensorEntries(job.layout, dest.data_file)
+        document = entries.render(total, checksums, job.tree, job.metadata, job.save_info)
         write_all(dest.manifest_fd, document, 0)
         os.ftruncate(dest.manifest_fd, len(document))  # a resumed job's longer first try
         if job.fsync:
@@ -282,7 +287,9 @@ def _run(job: PersistJob) -> JobResult:
             faults.maybe_eio("sync-dir")
         _sync_dir(dest, job.fsync)
         _publish_directory(job, step)
-        return _published(job, total, started, manifest.digest(document), phases)
+        result = _published(job, total, started, manifest.digest(document), phases)
+        result.entries = entries
+        return result
     except JobInterrupted:
         return _interrupted(job, step, started)
     except JobFailed as exc:
@@ -367,19 +374,31 @@ def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, 
     checksums = []
     job.progress.phase = "writing"
     began = time.perf_counter()
+    starts = [0]
+    if not faults.armed("mid-stream"):  # the hook's promise needs the file written in order
+        sizes = [spec.nbytes for spec in job.layout.tensors]
+        starts = gather.regions(len(job.header), sizes, disk.chunk_bytes)
     try:
-        with disk.open(writer, owner=owner, stop=job.stop, progress=job.progress) as writes:
-            data = Gatherer(writes)
-            data.add_bytes(job.header, "the safetensors header")
-            pairs = zip(job.layout.tensors, job.segments, strict=True)
-            for index, (spec, ref) in enumerate(pairs):
-                if index == 1 and faults.armed("mid-stream"):
-                    data.write_through()  # "mid-stream" means the first tensor is in the file
-                    faults.pause("mid-stream")
-                checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
-            data.finish()
-            phases.disk_wait = writes.waited
-            phases.gather = time.perf_counter() - began - writes.waited
+        with disk.open(
+            writer, owner=owner, stop=job.stop, progress=job.progress, gatherers=len(starts)
+        ) as writes:
+            if len(starts) > 1:
+                checksums = gather.in_regions(writes, job.header, job.layout, job.segments, starts)
+                gathering = writes.waited  # the gatherers' waits, added up
+                writes.drain()
+                phases.disk_wait = gathering / len(starts) + writes.waited - gathering
+            else:
+                data = Gatherer(writes)
+                data.add_bytes(job.header, "the safetensors header")
+                pairs = zip(job.layout.tensors, job.segments, strict=True)
+                for index, (spec, ref) in enumerate(pairs):
+                    if index == 1 and faults.armed("mid-stream"):
+                        data.write_through()  # "mid-stream": the first tensor is in the file
+                        faults.pause("mid-stream")
+                    checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
+                data.finish()
+                phases.disk_wait = writes.waited
+            phases.gather = time.perf_counter() - began - phases.disk_wait
     except scheduler.Stopped:
         raise JobInterrupted from None
     except scheduler.CorruptChunk as exc:

@@ -193,9 +193,11 @@ class WriteScheduler:
         owner: Hashable,
         stop: threading.Event,
         progress: Progress | None = None,
+        gatherers: int = 1,
     ) -> JobWrites:
-        """A job's handle on the pool, until its ``close``; ``owner`` is whose turn it takes."""
-        writes = JobWrites(self, writer, owner, stop, progress)
+        """A job's handle on the pool, until its ``close``; ``owner`` is whose turn it takes.
+        ``gatherers``: threads filling its chunks at once (``gather.in_regions``)."""
+        writes = JobWrites(self, writer, owner, stop, progress, gatherers)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the write scheduler is closed")
@@ -321,7 +323,8 @@ class WriteScheduler:
 
 
 class JobWrites:
-    """One job's chunks on the pool; used by that job's thread only.
+    """One job's chunks on the pool; used by that job's threads only (its gatherers take
+    and submit chunks under the pool's lock).
 
     A context manager: leaving it waits until none of the job's writes is in progress and
     drops what is still queued, so no write outlives the job (its descriptor is closed
@@ -335,6 +338,7 @@ class JobWrites:
         owner: Hashable,
         stop: threading.Event,
         progress: Progress | None,
+        gatherers: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.writer = writer
@@ -349,6 +353,9 @@ class JobWrites:
         #: in flight, and for its last writes (``drain``). The rest of its time gathering
         #: is its own work, so this tells a disk-bound write from a writer-bound one.
         self.waited = 0.0
+        #: Each gatherer holds the chunk it fills: beyond the job's share, one buffer
+        #: more per extra gatherer, so its writes stay as many in flight.
+        self.extra = max(0, gatherers - 1)
         self._gathering: list[Chunk] = []
         self._closed = False
 
@@ -369,7 +376,7 @@ class JobWrites:
             began = 0.0
             while True:
                 self._check()
-                if self.held < pool.share(self.owner):
+                if self.held < pool.share(self.owner) + self.extra:
                     buffer = pool._take_buffer()
                     if buffer:
                         self.held += 1
@@ -389,7 +396,8 @@ class JobWrites:
                 raise
         assert isinstance(buffer, _Buffer)
         chunk = Chunk(buffer, offset)
-        self._gathering.append(chunk)
+        with pool._cond:
+            self._gathering.append(chunk)
         return chunk
 
     def submit(self, chunk: Chunk) -> None:
@@ -404,6 +412,12 @@ class JobWrites:
             pool._queue.put(self.owner, self, chunk)
             pool._grow_if_stalled()
             pool._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """End the job's writes with ``error`` (one of its gatherers failed): queued chunks
+        are dropped, and its other gatherers raise it when they next ask for a chunk."""
+        with self.scheduler._cond:
+            self.scheduler._fail(self, error)
 
     def drain(self) -> None:
         """Until every submitted chunk is written; raises the job's first write error."""

@@ -786,6 +786,7 @@ class Daemon:
         self.retention.job_ended(record.slot, result)  # before the slot can be refilled
         self.store.end_job(record.session.id, record.staged, record.slot, record.persist.id)
         if result.ok:
+            record.staged.keep_entries(result.entries)
             self.stats["saves"] += 1
             self.stats["bytes"] += result.bytes
             log.info(

@@ -571,6 +571,7 @@ class Session:
             },
             fsync=self.daemon.fsync,
             peer=self.peer,
+            entries=staged.entries.get(destination.data_file),
         )
         wire = staged.wire(slot)
         try:

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from harness import resident_pages, staged_job
 from safetensors import safe_open
-from shmstage_daemon import faults, job, scheduler
+from shmstage_daemon import faults, gather, job, scheduler
 from shmstage_daemon.chunkwriter import BLOCK
 
-from shmstage import checkpoint, names, segment
+from shmstage import checkpoint, manifest, names, segment
 from shmstage.layout import TensorSpec
 
 CHUNK = 16 * BLOCK
@@ -41,6 +41,17 @@ def small_chunks() -> Iterator[scheduler.WriteScheduler]:
     yield disk
     scheduler.install(previous)
     disk.close()
+
+
+@pytest.fixture(params=["one-thread", "regions"])
+def gathering(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the file is gathered: all on the job's thread, or cut into regions of at least
+    two chunks on threads of their own, as a file of large tensors is (the thresholds
+    lowered so that a file of a few chunks, of any tensors, is cut)."""
+    if request.param == "regions":
+        monkeypatch.setattr(gather, "MIN_REGION_BYTES", 2 * CHUNK)
+        monkeypatch.setattr(gather, "MIN_MEAN_TENSOR_BYTES", 0)
+    return request.param
 
 
 @pytest.fixture
@@ -96,7 +107,11 @@ SIZES_AROUND_BOUNDARIES = [
     ids=["around-boundaries", "reversed", "one-tiny-tensor", "only-empty", "exactly-a-chunk"],
 )
 def test_tensor_sizes_around_block_and_chunk_boundaries_are_written_exactly(
-    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, sizes: list[int]
+    tmp_path: Path,
+    instance_id: str,
+    small_chunks: scheduler.WriteScheduler,
+    sizes: list[int],
+    gathering: str,
 ) -> None:
     tensors = tensors_of(sizes)
     persist = staged_job(tmp_path / "c", instance_id, tensors)
@@ -111,7 +126,7 @@ def test_tensor_sizes_around_block_and_chunk_boundaries_are_written_exactly(
 
 
 def test_many_small_tensors_are_gathered_into_shared_chunks(
-    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, gathering: str
 ) -> None:
     """2,000 tensors of 0 to 3 KiB: most chunks hold dozens of tensors, many tensors
     straddle two chunks; more chunks than the pool has buffers."""
@@ -149,7 +164,11 @@ def test_a_direct_write_leaves_the_file_out_of_the_page_cache(
 
 @pytest.mark.parametrize("fault", ["flip-gathered:2"], indirect=True)
 def test_bytes_changed_between_gather_and_write_are_never_published(
-    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, fault: None
+    tmp_path: Path,
+    instance_id: str,
+    small_chunks: scheduler.WriteScheduler,
+    fault: None,
+    gathering: str,
 ) -> None:
     """Memory corruption cannot be caused for real: the test-only ``flip-gathered`` shim
     flips a bit in the second gathered chunk after its checksums were taken. The I/O thread
@@ -161,6 +180,36 @@ def test_bytes_changed_between_gather_and_write_are_never_published(
     assert "tensor 't1'" in result.message and "changed in the daemon's memory" in result.message
     assert "nothing was published" in result.message
     assert entries(tmp_path / "c") == []
+
+
+def test_a_file_of_large_tensors_is_gathered_in_regions_and_checksummed_whole(
+    tmp_path: Path,
+    instance_id: str,
+    small_chunks: scheduler.WriteScheduler,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four regions on four threads, tensors cut by every boundary (one spans three
+    regions): each tensor's checksum, combined from its parts, is that of its bytes."""
+    monkeypatch.setattr(gather, "MIN_REGION_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(gather, "MIN_MEAN_TENSOR_BYTES", CHUNK)
+    sizes = [CHUNK + 7, 5 * CHUNK + 3, 2 * CHUNK - 1, CHUNK // 2]
+    tensors = [(TensorSpec(f"t{i}", "U8", (n,)), os.urandom(n)) for i, n in enumerate(sizes)]
+    persist = staged_job(tmp_path / "c", instance_id, tensors)
+    starts = gather.regions(len(persist.header), sizes, CHUNK)
+    assert len(starts) == 4 and all(start % CHUNK == 0 for start in starts), starts
+    result = job.run(persist)
+    assert result.ok, result.message
+    assert_written_exactly(tmp_path / "c", tensors)
+    assert persist.progress.written == sum(sizes)
+
+
+def test_small_tensors_are_gathered_on_one_thread() -> None:
+    """Regions pay off only where reading and checksumming release the GIL for long: a
+    file of small tensors, however large, is one region."""
+    assert gather.regions(4096, [64 << 10] * 50_000, 4 << 20) == [0]
+    assert gather.regions(4096, [16 << 20] * 8, 4 << 20) == [0]  # 128 MiB: too little
+    starts = gather.regions(4096, [16 << 20] * 512, 4 << 20)
+    assert len(starts) == gather.MAX_REGIONS and starts[0] == 0
 
 
 def test_a_job_reports_where_its_time_went(
@@ -180,6 +229,28 @@ def test_a_job_reports_where_its_time_went(
     assert_written_exactly(tmp_path / "c", tensors)
 
 
+def test_a_later_save_renders_its_manifest_from_the_entries_an_earlier_one_kept(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler
+) -> None:
+    """The entries come back with the result; given to the next job of the layout they
+    are used as they are, and entries of another data file are not."""
+    tensors = tensors_of([100, 200, 300])
+    first = job.run(staged_job(tmp_path / "a", instance_id, tensors))
+    assert first.ok and first.entries is not None, first
+    again = staged_job(tmp_path / "b", instance_id, tensors)
+    again.layout, again.entries = first.entries.layout, first.entries
+    second = job.run(again)
+    assert second.ok and second.entries is first.entries
+    other = staged_job(tmp_path / "c", instance_id, tensors)
+    other.layout = first.entries.layout
+    other.entries = manifest.TensorEntries(other.layout, "another.safetensors")
+    third = job.run(other)
+    assert third.ok and third.entries is not None
+    assert third.entries is not other.entries and third.entries.data_file == "model.safetensors"
+    for name in ("a", "b", "c"):
+        assert_written_exactly(tmp_path / name, tensors)
+
+
 @pytest.mark.parametrize("fault", ["pause-write:0.05"], indirect=True)
 def test_a_slow_disk_shows_as_disk_wait_not_as_gathering(
     tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, fault: None
@@ -196,7 +267,7 @@ def test_a_slow_disk_shows_as_disk_wait_not_as_gathering(
 
 
 def test_a_segment_gone_before_it_is_gathered_fails_the_job_without_a_hang(
-    tmp_path: Path, instance_id: str
+    tmp_path: Path, instance_id: str, gathering: str
 ) -> None:
     """A segment that cannot be read fails the job at once, with the pool down to one
     buffer (which the failed chunk holds): the job fails naming the segment, and removes
