@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shmstage_daemon import job, scheduler
+from shmstage_daemon import gather, job, scheduler
 from shmstage_daemon.admission import Peer
 
 from shmstage import datafile, instance, names, segment
@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-chunk", default="4MiB")
     parser.add_argument("--write-buffers", default="64MiB")
     parser.add_argument("--buffered", action="store_true", help="the writer without O_DIRECT")
+    parser.add_argument(
+        "--gather-regions",
+        type=int,
+        default=gather.MAX_REGIONS,
+        help="at most this many threads gather a file of large tensors (1: the job's alone)",
+    )
     parser.add_argument("--limit-threads", type=int, default=4)
     parser.add_argument("--skip-limits", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.owners > 1 and os.geteuid() != 0:
         parser.error("--owners above 1 writes as other uids: run as root")
+    gather.MAX_REGIONS = max(1, args.gather_regions)
     total = parse_size(args.size)
     count = max(1, args.tensors)
     sizes = [total // count] * count
@@ -265,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
                 for index in range(args.jobs)
             ]
 
+        phases: list[str] = []
+
         def write(persists: list[job.PersistJob]) -> list[float]:
             with concurrent.futures.ThreadPoolExecutor(len(persists)) as pool:
                 results = list(pool.map(job.run, persists))
             for result in results:
                 if not result.ok:
                     raise SystemExit(f"the writer failed: {result.message}")
+                if result.phases is not None:
+                    phases.append(result.phases.describe())
             return [result.seconds for result in results]
 
         rows["shmstaged writer"] = timed(args.runs, jobs, write)
@@ -299,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{format_size(max(0, row['cached_growth_peak'])):>14}"
             f"{format_size(max(0, row['cached_growth_after'])):>15}"
         )
+    if phases:
+        print(f"shmstaged writer, last job: {phases[-1]}")
     per_job = rows["shmstaged writer"]["extra"]
     if args.jobs > 1 and per_job:
         print("per job (last run), s: " + ", ".join(f"{s:.2f}" for s in per_job))
