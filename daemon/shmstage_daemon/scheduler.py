@@ -215,12 +215,13 @@ class WriteScheduler:
 
     # -- state, always under self._cond ---------------------------------------------
 
-    def share(self, owner: Hashable) -> int:
+    def share(self, owner: Hashable, extra: int = 0) -> int:
         """Buffers one of ``owner``'s jobs may hold now: the pool split between owners,
-        then between that owner's open jobs."""
+        then between that owner's open jobs; a job with ``extra`` gatherers may hold as
+        many more, within that split (each holds the chunk it fills)."""
         owners = len(self._jobs) or 1
         mine = self._jobs.get(owner, 0) or 1
-        return max(1, min(self.per_job, self.buffers // owners // mine))
+        return max(1, min(self.per_job + extra, self.buffers // owners // mine))
 
     def _take_buffer(self) -> _Buffer | bool:
         """A free buffer; else True if the caller may map a new one (counted already)."""
@@ -353,8 +354,8 @@ class JobWrites:
         #: in flight, and for its last writes (``drain``). The rest of its time gathering
         #: is its own work, so this tells a disk-bound write from a writer-bound one.
         self.waited = 0.0
-        #: Each gatherer holds the chunk it fills: beyond the job's share, one buffer
-        #: more per extra gatherer, so its writes stay as many in flight.
+        #: Each gatherer holds the chunk it fills: one buffer more per extra gatherer, so
+        #: its writes stay as many in flight (within the owner's part of the pool).
         self.extra = max(0, gatherers - 1)
         self._gathering: list[Chunk] = []
         self._closed = False
@@ -376,7 +377,7 @@ class JobWrites:
             began = 0.0
             while True:
                 self._check()
-                if self.held < pool.share(self.owner) + self.extra:
+                if self.held < pool.share(self.owner, self.extra):
                     buffer = pool._take_buffer()
                     if buffer:
                         self.held += 1

@@ -110,6 +110,24 @@ def test_chunks_of_several_users_are_written_in_fair_turns(pools: list[WriteSche
     assert order == ["g.0", "a1.0", "b1.0", "a2.0", "b1.1", "a1.1", "a2.1"]
 
 
+def test_a_job_with_several_gatherers_holds_one_buffer_more_for_each_within_its_part(
+    pools: list[WriteScheduler],
+) -> None:
+    """16 buffers, two I/O threads: a job gathered on four threads may hold 3 + 3 buffers
+    while its user writes alone, and with seven other users at it no more than its part of
+    the pool, two, like any job."""
+    pool = pool_of(pools, buffers=16, io_threads=2)
+    assert pool.share("a") == 3 and pool.share("a", extra=3) == 6
+    others = [
+        pool.open(Recorder(f"u{i}", []), owner=f"u{i}", stop=threading.Event()) for i in range(7)
+    ]
+    assert pool.share("a", extra=3) == 16 // 7  # "a" has no job open yet: 7 owners
+    mine = pool.open(Recorder("a", []), owner="a", stop=threading.Event(), gatherers=4)
+    assert pool.share("a", extra=mine.extra) == 2
+    for writes in [*others, mine]:
+        writes.close()
+
+
 def test_a_job_holds_at_most_its_share_and_memory_goes_back_when_idle(
     pools: list[WriteScheduler],
 ) -> None:
