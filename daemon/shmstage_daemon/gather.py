@@ -50,10 +50,12 @@ log = logging.getLogger("shmstaged.gather")
 
 PIECE_BYTES: Final = 1 << 20
 #: Regions: at most this many threads per file, each with at least this many bytes, and
-#: only for tensors of this size on average (see above).
+#: only for tensors of this size on average. On the H100 host, 1 GiB in 2,000 tensors
+#: (0.5 MiB each) was gathered in 0.17 s on four threads against 0.36 s on one; in 10,000
+#: (0.1 MiB each) four threads made the write slower, 0.86 s against 0.63 s.
 MAX_REGIONS: Final = 4
 MIN_REGION_BYTES: Final = 256 << 20
-MIN_MEAN_TENSOR_BYTES: Final = 1 << 20
+MIN_MEAN_TENSOR_BYTES: Final = 512 << 10
 
 
 #: How long a job keeps retrying to open a segment while the daemon is out of descriptors.
