@@ -179,13 +179,17 @@ def _read_exactly(fd: int, target: memoryview, offset: int, ref: SegmentRef) -> 
         done += got
 
 
-def regions(header_bytes: int, sizes: Sequence[int], chunk_bytes: int) -> list[int]:
-    """Where each region of a data file starts (the first at 0), at chunk boundaries:
-    one region for a file of small tensors or of less than two regions' bytes."""
+def regions(
+    header_bytes: int, sizes: Sequence[int], chunk_bytes: int, most: int | None = None
+) -> list[int]:
+    """Where each region of a data file starts (the first at 0), at chunk boundaries, at
+    most ``most`` (default ``MAX_REGIONS``): one region for a file of small tensors or of
+    less than two regions' bytes."""
     total = header_bytes + sum(sizes)
     if not sizes or sum(sizes) < MIN_MEAN_TENSOR_BYTES * len(sizes):
         return [0]
-    count = max(1, min(MAX_REGIONS, total // MIN_REGION_BYTES))
+    most = MAX_REGIONS if most is None else most
+    count = max(1, min(most, total // MIN_REGION_BYTES))
     chunks = -(-total // chunk_bytes)
     starts = sorted({chunks * index // count * chunk_bytes for index in range(count)})
     return [start for start in starts if start < total] or [0]

@@ -375,13 +375,15 @@ def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, 
     job.progress.phase = "writing"
     began = time.perf_counter()
     starts = [0]
+    sizes = [spec.nbytes for spec in job.layout.tensors]
     if not faults.armed("mid-stream"):  # the hook's promise needs the file written in order
-        sizes = [spec.nbytes for spec in job.layout.tensors]
         starts = gather.regions(len(job.header), sizes, disk.chunk_bytes)
     try:
         with disk.open(
             writer, owner=owner, stop=job.stop, progress=job.progress, gatherers=len(starts)
         ) as writes:
+            if writes.gatherers < len(starts):  # other users are writing: fewer threads
+                starts = gather.regions(len(job.header), sizes, disk.chunk_bytes, writes.gatherers)
             if len(starts) > 1:
                 checksums = gather.in_regions(writes, job.header, job.layout, job.segments, starts)
                 gathering = writes.waited  # the gatherers' waits, added up

@@ -182,23 +182,38 @@ def test_bytes_changed_between_gather_and_write_are_never_published(
     assert entries(tmp_path / "c") == []
 
 
+@pytest.mark.parametrize("buffers, gatherers", [(16, 4), (6, 3), (4, 1)])
 def test_a_file_of_large_tensors_is_gathered_in_regions_and_checksummed_whole(
     tmp_path: Path,
     instance_id: str,
-    small_chunks: scheduler.WriteScheduler,
     monkeypatch: pytest.MonkeyPatch,
+    buffers: int,
+    gatherers: int,
 ) -> None:
-    """Four regions on four threads, tensors cut by every boundary (one spans three
-    regions): each tensor's checksum, combined from its parts, is that of its bytes."""
+    """Tensors cut by every region boundary (one spans three regions): each tensor's
+    checksum, combined from its parts, is that of its bytes. The job has as many regions,
+    up to four, as the pool lets it have gatherers (three I/O threads: a one-gatherer job
+    holds four buffers, and each gatherer more one more)."""
     monkeypatch.setattr(gather, "MIN_REGION_BYTES", 2 * CHUNK)
     monkeypatch.setattr(gather, "MIN_MEAN_TENSOR_BYTES", CHUNK)
+    used: list[int] = []
+    in_regions = gather.in_regions
+
+    def spy(*args: object) -> list[int]:  # counts the regions, then runs the real thing
+        used.append(len(args[-1]))  # type: ignore[arg-type]
+        return in_regions(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gather, "in_regions", spy)
+    disk = scheduler.WriteScheduler(io_threads=3, chunk_bytes=CHUNK, memory_bytes=buffers * CHUNK)
+    monkeypatch.setattr(scheduler, "_shared", disk)
     sizes = [CHUNK + 7, 5 * CHUNK + 3, 2 * CHUNK - 1, CHUNK // 2]
     tensors = [(TensorSpec(f"t{i}", "U8", (n,)), os.urandom(n)) for i, n in enumerate(sizes)]
     persist = staged_job(tmp_path / "c", instance_id, tensors)
-    starts = gather.regions(len(persist.header), sizes, CHUNK)
-    assert len(starts) == 4 and all(start % CHUNK == 0 for start in starts), starts
+    assert len(gather.regions(len(persist.header), sizes, CHUNK)) == 4
     result = job.run(persist)
+    disk.close()
     assert result.ok, result.message
+    assert used == ([gatherers] if gatherers > 1 else [])
     assert_written_exactly(tmp_path / "c", tensors)
     assert persist.progress.written == sum(sizes)
 

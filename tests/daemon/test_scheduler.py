@@ -110,21 +110,22 @@ def test_chunks_of_several_users_are_written_in_fair_turns(pools: list[WriteSche
     assert order == ["g.0", "a1.0", "b1.0", "a2.0", "b1.1", "a1.1", "a2.1"]
 
 
-def test_a_job_with_several_gatherers_holds_one_buffer_more_for_each_within_its_part(
+def test_a_job_gets_extra_gatherers_only_while_its_part_of_the_pool_has_room(
     pools: list[WriteScheduler],
 ) -> None:
-    """16 buffers, two I/O threads: a job gathered on four threads may hold 3 + 3 buffers
-    while its user writes alone, and with seven other users at it no more than its part of
-    the pool, two, like any job."""
+    """16 buffers, two I/O threads (a one-gatherer job's share: 3). Writing alone, a job
+    may have the four gatherers it asks for and hold 3 + 3 buffers; with seven other users
+    writing, its part of the pool is two buffers, and it gets one gatherer."""
     pool = pool_of(pools, buffers=16, io_threads=2)
-    assert pool.share("a") == 3 and pool.share("a", extra=3) == 6
+    alone = pool.open(Recorder("a", []), owner="a", stop=threading.Event(), gatherers=4)
+    assert alone.gatherers == 4 and pool.share("a", alone.extra) == 6
+    alone.close()
     others = [
         pool.open(Recorder(f"u{i}", []), owner=f"u{i}", stop=threading.Event()) for i in range(7)
     ]
-    assert pool.share("a", extra=3) == 16 // 7  # "a" has no job open yet: 7 owners
-    mine = pool.open(Recorder("a", []), owner="a", stop=threading.Event(), gatherers=4)
-    assert pool.share("a", extra=mine.extra) == 2
-    for writes in [*others, mine]:
+    crowded = pool.open(Recorder("a", []), owner="a", stop=threading.Event(), gatherers=4)
+    assert crowded.gatherers == 1 and pool.share("a", crowded.extra) == 2
+    for writes in [*others, crowded]:
         writes.close()
 
 
