@@ -195,6 +195,33 @@ def regions(
     return [start for start in starts if start < total] or [0]
 
 
+def whole_file(
+    writes: JobWrites,
+    header: bytes,
+    layout: Layout,
+    refs: Sequence[SegmentRef],
+    starts: Sequence[int],
+) -> list[int]:
+    """Gather a data file — header, then every tensor — from the regions at ``starts``
+    (``regions``), and wait for all its writes; returns every tensor's CRC-32C. One region
+    is gathered in order on this thread, where the ``mid-stream`` fault hook pauses once
+    the first tensor is in the file."""
+    if len(starts) > 1:
+        checksums = in_regions(writes, header, layout, refs, starts)
+        writes.drain()
+        return checksums
+    checksums = []
+    data = Gatherer(writes)
+    data.add_bytes(header, "the safetensors header")
+    for index, (spec, ref) in enumerate(zip(layout.tensors, refs, strict=True)):
+        if index == 1 and faults.armed("mid-stream"):
+            data.write_through()  # "mid-stream" means the first tensor is in the file
+            faults.pause("mid-stream")
+        checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
+    data.finish()
+    return checksums
+
+
 def in_regions(
     writes: JobWrites,
     header: bytes,

@@ -38,7 +38,6 @@ from shmstage.segment import SegmentRef
 from shmstage_daemon import credentials, faults, gather, scheduler
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.chunkwriter import write_all
-from shmstage_daemon.gather import Gatherer
 
 
 @dataclass
@@ -356,7 +355,8 @@ def _storage_message(dest: Destination, step: str, exc: OSError) -> str:
 def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, list[int]]:
     """Stream the data file (header, then every tensor), and fsync it.
 
-    The bytes go through the process's write scheduler: this thread gathers them into
+    The bytes go through the process's write scheduler: this thread — or, for a file of
+    large tensors, up to four while the pool has buffers to spare — gathers them into
     aligned chunks and checksums each tensor as it goes, the scheduler's I/O threads write
     the chunks, direct where the filesystem allows it (see ``gather``, ``scheduler``).
     """
@@ -371,7 +371,6 @@ def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, 
     disk = scheduler.shared()
     writer = disk.writer_for(fd, dest.path)
     owner = job.peer.uid if job.peer is not None else None
-    checksums = []
     job.progress.phase = "writing"
     began = time.perf_counter()
     starts = [0]
@@ -384,22 +383,8 @@ def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, 
         ) as writes:
             if writes.gatherers < len(starts):  # other users are writing: fewer threads
                 starts = gather.regions(len(job.header), sizes, disk.chunk_bytes, writes.gatherers)
-            if len(starts) > 1:
-                checksums = gather.in_regions(writes, job.header, job.layout, job.segments, starts)
-                gathering = writes.waited  # the gatherers' waits, added up
-                writes.drain()
-                phases.disk_wait = gathering / len(starts) + writes.waited - gathering
-            else:
-                data = Gatherer(writes)
-                data.add_bytes(job.header, "the safetensors header")
-                pairs = zip(job.layout.tensors, job.segments, strict=True)
-                for index, (spec, ref) in enumerate(pairs):
-                    if index == 1 and faults.armed("mid-stream"):
-                        data.write_through()  # "mid-stream": the first tensor is in the file
-                        faults.pause("mid-stream")
-                    checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
-                data.finish()
-                phases.disk_wait = writes.waited
+            checksums = gather.whole_file(writes, job.header, job.layout, job.segments, starts)
+            phases.disk_wait = writes.disk_wait(len(starts))
             phases.gather = time.perf_counter() - began - phases.disk_wait
     except scheduler.Stopped:
         raise JobInterrupted from None

@@ -362,10 +362,10 @@ class JobWrites:
         self.held = 0  # buffers out of the pool: being gathered, queued or being written
         self.queued = 0
         self.writing = 0
-        #: Seconds the job's thread waited on the disk: for a buffer while its share was
-        #: in flight, and for its last writes (``drain``). The rest of its time gathering
-        #: is its own work, so this tells a disk-bound write from a writer-bound one.
+        #: Seconds its gatherers waited for a buffer while their share was in flight (added
+        #: up), and the job waited for its writes to end (``drain``): see ``disk_wait``.
         self.waited = 0.0
+        self.drained = 0.0
         #: Threads that may fill its chunks at once. Each holds the chunk it fills: one
         #: buffer more per extra gatherer, so its writes stay as many in flight.
         self.gatherers = gatherers
@@ -427,6 +427,12 @@ class JobWrites:
             pool._grow_if_stalled()
             pool._cond.notify_all()
 
+    def disk_wait(self, gatherers: int) -> float:
+        """Seconds the job waited on the disk, for a buffer (its ``gatherers``' average) or
+        for its last writes: the rest of its time gathering is its own work, so this tells
+        a disk-bound write from a writer-bound one."""
+        return self.waited / max(1, gatherers) + self.drained
+
     def fail(self, error: BaseException) -> None:
         """End the job's writes with ``error`` (one of its gatherers failed): queued chunks
         are dropped, and its other gatherers raise it when they next ask for a chunk."""
@@ -443,7 +449,7 @@ class JobWrites:
                     pool._fail(self, Stopped())
                 pool._grow_if_stalled()
                 pool._cond.wait(POLL_S)
-            self.waited += time.perf_counter() - began
+            self.drained += time.perf_counter() - began
             self._check()
 
     def write_through(self, chunk: Chunk) -> None:
