@@ -30,7 +30,6 @@ import bisect
 import concurrent.futures
 import ctypes
 import logging
-import mmap
 import os
 import queue
 import threading
@@ -42,6 +41,7 @@ from typing import Final
 import crc32c
 import torch
 
+from shmstage import segment
 from shmstage.checkpoint import ChecksumError
 from shmstage.checksums import combine
 from shmstage_client.pinning import PIN_FAILURES, register_range, unregister
@@ -57,6 +57,8 @@ MAX_THREADS: Final = 16
 #: and for how long when no restore takes them.
 MAX_SPARES: Final = MAX_THREADS + 2
 KEEP_STAGING_S: Final = 60.0
+#: Threads making them ahead of a restore (``prepare``).
+STAGING_MAKERS: Final = 3
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ class _HostBuffer:
     def __init__(self, size: int) -> None:
         self.size = size
         self._bases: list[int] = []
-        self._map: mmap.mmap | None = None
+        self._mapped = 0
         self._tensor: torch.Tensor | None = None
         try:
             self.address = self._register()
@@ -205,11 +207,9 @@ class _HostBuffer:
             self.address = self._tensor.data_ptr()
 
     def _register(self) -> int:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-        self._map = mmap.mmap(-1, self.size, flags=flags)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        register_range(address, self.size, 0, self._bases)
-        return address
+        self._mapped = segment.map_populated(self.size)  # the GIL free meanwhile
+        register_range(self._mapped, self.size, 0, self._bases)
+        return self._mapped
 
     def view(self, length: int) -> memoryview:
         return memoryview((ctypes.c_char * length).from_address(self.address))
@@ -221,9 +221,9 @@ class _HostBuffer:
         self._tensor = None
 
     def _free_map(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        if self._mapped:
+            segment.unmap(self._mapped, self.size)
+            self._mapped = 0
 
 
 class _Staging:
@@ -295,32 +295,39 @@ class _Spares:
                 self._cond.wait(1.0)  # the maker always ends by waking us
 
     def prepare(self, count: int, size: int) -> None:
-        """Make up to ``count`` buffers of ``size`` on a thread of its own, one at a time
-        (the driver serialises registering anyway), each usable as soon as it is made."""
+        """Make up to ``count`` buffers of ``size`` on ``STAGING_MAKERS`` threads of their
+        own, each usable as soon as it is made: faulting the pages in runs side by side,
+        registering them is serialised by the driver anyway."""
         with self._cond:
             have = sum(1 for buffer in self._buffers if buffer.size == size)
             if self._coming or have >= count:
                 return
             self._coming, self._coming_size = count - have, size
-        threading.Thread(
-            target=self._make, args=(count - have, size), name="shmstage-staging", daemon=True
-        ).start()
+        makers = max(1, min(STAGING_MAKERS, count - have))
+        for index in range(makers):
+            share = (count - have) // makers + (index < (count - have) % makers)
+            threading.Thread(
+                target=self._make, args=(share, size), name="shmstage-staging", daemon=True
+            ).start()
 
     def _make(self, count: int, size: int) -> None:
+        made = 0
         try:
             for _ in range(count):
                 buffer = _HostBuffer(size)
                 with self._cond:
                     self._buffers.append(buffer)
                     self._coming -= 1
+                    made += 1
                     self._cond.notify_all()
         except Exception as exc:  # the transfer makes its own, and says so if it must
             log.debug("could not make staging buffers ahead of a restore: %s", exc)
         finally:
             with self._cond:
-                self._coming = 0
+                self._coming -= count - made  # what this maker will not make after all
                 self._cond.notify_all()
-                self._expire_later()
+                if not self._coming:
+                    self._expire_later()
 
     def keep(self, buffers: list[_HostBuffer]) -> None:
         if not buffers:
