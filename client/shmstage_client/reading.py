@@ -57,8 +57,6 @@ MAX_THREADS: Final = 16
 #: and for how long when no restore takes them.
 MAX_SPARES: Final = MAX_THREADS + 2
 KEEP_STAGING_S: Final = 60.0
-#: Threads making them ahead of a restore (``prepare``).
-STAGING_MAKERS: Final = 3
 
 
 @dataclass(frozen=True)
@@ -295,39 +293,34 @@ class _Spares:
                 self._cond.wait(1.0)  # the maker always ends by waking us
 
     def prepare(self, count: int, size: int) -> None:
-        """Make up to ``count`` buffers of ``size`` on ``STAGING_MAKERS`` threads of their
-        own, each usable as soon as it is made: faulting the pages in runs side by side,
-        registering them is serialised by the driver anyway."""
+        """Make up to ``count`` buffers of ``size`` on a thread of its own, one at a time
+        (the driver serialises registering anyway: three such threads made 18 buffers no
+        sooner on the H100 host, and slowed the restore), each usable as soon as it is
+        made."""
         with self._cond:
             have = sum(1 for buffer in self._buffers if buffer.size == size)
             if self._coming or have >= count:
                 return
             self._coming, self._coming_size = count - have, size
-        makers = max(1, min(STAGING_MAKERS, count - have))
-        for index in range(makers):
-            share = (count - have) // makers + (index < (count - have) % makers)
-            threading.Thread(
-                target=self._make, args=(share, size), name="shmstage-staging", daemon=True
-            ).start()
+        threading.Thread(
+            target=self._make, args=(count - have, size), name="shmstage-staging", daemon=True
+        ).start()
 
     def _make(self, count: int, size: int) -> None:
-        made = 0
         try:
             for _ in range(count):
                 buffer = _HostBuffer(size)
                 with self._cond:
                     self._buffers.append(buffer)
                     self._coming -= 1
-                    made += 1
                     self._cond.notify_all()
         except Exception as exc:  # the transfer makes its own, and says so if it must
             log.debug("could not make staging buffers ahead of a restore: %s", exc)
         finally:
             with self._cond:
-                self._coming -= count - made  # what this maker will not make after all
+                self._coming = 0
                 self._cond.notify_all()
-                if not self._coming:
-                    self._expire_later()
+                self._expire_later()
 
     def keep(self, buffers: list[_HostBuffer]) -> None:
         if not buffers:

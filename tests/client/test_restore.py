@@ -8,7 +8,6 @@ that every checksum is combined from parts computed on several threads.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import resource
 import shutil
@@ -358,30 +357,6 @@ def test_staging_made_ahead_is_taken_as_it_comes_and_never_made_twice(
     assert _FakeStaging.made == 3
     spares.free()
     assert all(buffer.freed for buffer in taken)
-
-
-def test_makers_side_by_side_each_count_what_they_did_not_make(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Six buffers on three makers, the first buffer failing: its maker stops, the others
-    make theirs, and a reader gets those four and then hears that no more are coming."""
-    calls = itertools.count()
-
-    def flaky(size: int) -> _FakeStaging:
-        if next(calls) == 0:
-            raise RuntimeError("CUDA error: out of memory")
-        return _FakeStaging(size)
-
-    monkeypatch.setattr(reading, "_HostBuffer", flaky)
-    monkeypatch.setattr(_FakeStaging, "made", 0)
-    monkeypatch.setattr(reading, "STAGING_MAKERS", 3)
-    spares = reading._Spares()
-    spares.prepare(6, 1024)
-    begun = time.monotonic()
-    taken = [spares.take(1024) for _ in range(5)]
-    assert sum(buffer is not None for buffer in taken) == 4 == _FakeStaging.made
-    assert taken[-1] is None and time.monotonic() - begun < 2.0
-    spares.free()
 
 
 def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
