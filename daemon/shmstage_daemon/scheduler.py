@@ -366,12 +366,16 @@ class JobWrites:
         #: up), and the job waited for its writes to end (``drain``): see ``disk_wait``.
         self.waited = 0.0
         self.drained = 0.0
-        #: Threads that may fill its chunks at once. Each holds the chunk it fills: one
-        #: buffer more per extra gatherer, so its writes stay as many in flight.
+        #: Threads that may fill its chunks at once (see ``extra``).
         self.gatherers = gatherers
-        self.extra = max(0, gatherers - 1)
         self._gathering: list[Chunk] = []
         self._closed = False
+
+    @property
+    def extra(self) -> int:
+        """Gatherers beyond the first. Each holds the chunk it fills: one buffer more per
+        extra gatherer, so the job's writes stay as many in flight."""
+        return max(0, self.gatherers - 1)
 
     def __enter__(self) -> JobWrites:
         return self
