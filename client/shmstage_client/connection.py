@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shmstage import descriptors
 from shmstage.paths import (
     UntrustedDaemon,
     check_daemon,
@@ -85,7 +86,8 @@ def receivable_fds() -> int:
     process out of them; raises SaveError naming the limit to raise.
 
     Two messages' worth may be open at once: the reader receives the next batch while the
-    caller maps and closes the one before (``DaemonConnection._untaken_fds``).
+    caller maps and closes the one before (``DaemonConnection._untaken_fds``). The
+    descriptor table is grown to hold them now, in one step (``descriptors``).
     """
     soft, in_use = _descriptors()
     free = (soft - in_use - FD_HEADROOM) // 2
@@ -96,14 +98,20 @@ def receivable_fds() -> int:
             f"to at least {in_use + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME} (ulimit -n, or "
             "LimitNOFILE= in a systemd unit), or close descriptors this process leaks"
         )
-    return min(MAX_FDS_PER_FRAME, free)
+    batch = min(MAX_FDS_PER_FRAME, free)
+    descriptors.reserve(in_use + FD_HEADROOM + 2 * batch)
+    return batch
 
 
-def can_hold_fds(count: int) -> bool:
+def room_for_fds(count: int) -> bool:
     """Whether this process can keep ``count`` more descriptors open for a while and still
-    receive the daemon's batches and open files freely (at most half of what is left)."""
+    receive the daemon's batches and open files freely (at most half of what is left);
+    if so, the descriptor table is grown for them now, in one step."""
     soft, in_use = _descriptors()
-    return count <= (soft - in_use - FD_HEADROOM) // 2 - MAX_FDS_PER_FRAME
+    if count > (soft - in_use - FD_HEADROOM) // 2 - MAX_FDS_PER_FRAME:
+        return False
+    descriptors.reserve(in_use + count + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME)
+    return True
 
 
 def _truncated_fds_message(received: int) -> str:

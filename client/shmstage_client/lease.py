@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from shmstage import segment
-from shmstage_client.connection import DaemonConnection, can_hold_fds, receivable_fds
+from shmstage_client.connection import DaemonConnection, receivable_fds, room_for_fds
 from shmstage_client.errors import DaemonLost, SaveError
 from shmstage_client.reading import MappedSource, SegmentSource, Source
 
@@ -70,7 +70,7 @@ class MemoryLease:
             except (ValueError, segment.SegmentError):
                 connection.post("unlease", {"lease": reply.body["lease"]})
                 raise
-            if keep_fds and can_hold_fds(len(lease.sizes)):
+            if keep_fds and room_for_fds(len(lease.sizes)):
                 lease.fds = []
             received = 0
             while received < len(lease.sizes):

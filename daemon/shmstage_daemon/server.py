@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
-from shmstage import instance, segment
+from shmstage import descriptors, instance, segment
 from shmstage.layout import Layout
 from shmstage.protocol import (
     DAEMON_MAX_PENDING_FDS,
@@ -1007,6 +1007,11 @@ def check_socket_directory(directory: Path) -> None:
         )
 
 
+#: Descriptor table entries reserved at start: several clients' segment batches in flight
+#: (``MAX_PENDING_FDS`` each) and the jobs' open segments (64 KiB of kernel memory).
+RESERVED_FDS: Final = 8192
+
+
 def _raise_fd_limit() -> None:
     """Use the hard descriptor limit: every client, slot segment in flight and job holds fds,
     and a soft limit of 1024 would turn a busy node into EMFILE for everyone."""
@@ -1014,3 +1019,6 @@ def _raise_fd_limit() -> None:
     if hard == resource.RLIM_INFINITY or soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # Grown now, while no thread shares the table: growing it later, under load, makes
+    # every thread that opens a descriptor wait out an RCU grace period (``descriptors``).
+    descriptors.reserve(RESERVED_FDS)

@@ -145,6 +145,18 @@ def test_the_daemon_never_imports_torch(daemon) -> None:
     assert loaded == []
 
 
+def test_the_daemon_grows_its_descriptor_table_once_at_start(daemon) -> None:
+    """Before any client: growing it later, under load, would make every thread of the
+    daemon that opens a descriptor wait out an RCU grace period, once per doubling."""
+    from shmstage_daemon.server import RESERVED_FDS
+
+    status = Path(f"/proc/{daemon.proc.pid}/status").read_text()
+    size = int(next(line for line in status.splitlines() if line.startswith("FDSize:")).split()[1])
+    limits = Path(f"/proc/{daemon.proc.pid}/limits").read_text()
+    soft = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+    assert size >= min(RESERVED_FDS, int(soft.split()[3]))
+
+
 def test_missing_daemon_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
     with pytest.raises(DaemonUnavailable, match=r"no such file — is shmstaged running"):
         Stager(tmp_path / "nope.sock")
