@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from shmstage.packing import Packing
+
 #: safetensors dtype name -> bytes per element. Sub-byte types (F4, F6_*) are absent on
 #: purpose: they do not map to whole-byte tensors one can stage and checksum per key.
 DTYPE_SIZES: Final[dict[str, int]] = {
@@ -121,6 +123,7 @@ class Layout:
     #: Derived once: the daemon asks for the total and the key set on every commit.
     nbytes: int = field(init=False, repr=False, compare=False)
     key_set: frozenset[str] = field(init=False, repr=False, compare=False)
+    _packing: Packing | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nbytes", sum(spec.nbytes for spec in self.tensors))
@@ -158,6 +161,13 @@ class Layout:
             ranges.append((position, position + spec.nbytes))
             position += spec.nbytes
         return ranges
+
+    def packing(self) -> Packing:
+        """Which segment holds each tensor (see ``packing``); computed once."""
+        if self._packing is None:
+            object.__setattr__(self, "_packing", Packing.of([spec.nbytes for spec in self.tensors]))
+        assert self._packing is not None
+        return self._packing
 
     def keys(self) -> Sequence[str]:
         return [spec.key for spec in self.tensors]

@@ -31,7 +31,8 @@ from typing import Any, Final
 
 import msgpack
 
-PROTOCOL_VERSION: Final = 1
+#: 2: layouts of many tensors pack their small ones into shared segments (``packing``).
+PROTOCOL_VERSION: Final = 2
 #: A layout of 100,000 tensors describes itself in ~12 MiB; nothing legitimate is larger.
 DEFAULT_MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
 #: Linux passes at most SCM_MAX_FD (253) descriptors per sendmsg.

@@ -24,6 +24,7 @@ from shmstage import datafile, names, segment
 from shmstage.instance import lock_path
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
+from shmstage.packing import Packing
 
 
 def shmstaged_command() -> list[str]:
@@ -254,21 +255,27 @@ def staged_job(
     *,
     peer: Peer | None = None,
     new: bool = False,
+    packed: bool = False,
 ) -> PersistJob:
     """A committed job as the daemon holds it: segments filled, the client's files open in
     the new ``directory``; for tests that run ``job.run`` (or the journal) in-process.
     ``new``: as a save to a new directory is, written into a hidden pending directory
-    beside it and published by renaming that to ``directory``."""
+    beside it and published by renaming that to ``directory``. ``packed``: the segments
+    as the daemon makes them (``Layout.packing``), else one per tensor as before it packed."""
     layout = Layout.of([spec for spec, _ in tensors])
-    refs = []
-    for spec, payload in tensors:
-        assert len(payload) == spec.nbytes, spec
-        ref = segment.create(instance_id, spec.nbytes)
+    sizes = [spec.nbytes for spec, _ in tensors]
+    packing = layout.packing() if packed else Packing.one_each(sizes)
+    refs = [segment.create(instance_id, size) for size in packing.sizes]
+    mappings = []
+    for ref in refs:
         fd = segment.open_fd(ref, writable=True)
-        with mmap.mmap(fd, ref.size) as mapping:
-            mapping[: len(payload)] = payload
+        mappings.append(mmap.mmap(fd, ref.size))
         os.close(fd)
-        refs.append(ref)
+    for (spec, payload), (which, offset) in zip(tensors, packing.places, strict=True):
+        assert len(payload) == spec.nbytes, spec
+        mappings[which][offset : offset + len(payload)] = payload
+    for mapping in mappings:
+        mapping.close()
     pending = names.pending_dir_name() if new else ""
     (directory.parent / pending if new else directory).mkdir()
     dir_fd = os.open(directory.parent / pending if new else directory, os.O_RDONLY | os.O_DIRECTORY)

@@ -30,6 +30,7 @@ from shmstage import listing
 from shmstage.checkpoint import CheckpointError
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import digest
+from shmstage.packing import Packing
 from shmstage_client import reading
 from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection
@@ -269,13 +270,17 @@ def specs_of(files: CheckpointFiles, name: str) -> list[Spec]:
 
 
 def placements_of(lease: MemoryLease, specs: list[Spec]) -> list[Placement]:
-    """Where each tensor is in a leased slot's mapped range (one segment each, in order)."""
-    if [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in specs] != lease.sizes:
+    """Where each tensor is in a leased slot's mapped range: the daemon packs a layout's
+    segments as ``Packing`` says, which the tensors' sizes alone decide."""
+    nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in specs]
+    packing = Packing.of(nbytes)
+    if list(packing.sizes) != lease.sizes:
         raise NotInMemory("the daemon's segments do not match the checkpoint's tensors")
+    offsets = lease.offsets()
     return [
-        Placement(key, dtype, shape, offset, size, crc)
-        for (key, dtype, shape, crc), offset, size in zip(
-            specs, lease.offsets(), lease.sizes, strict=True
+        Placement(key, dtype, shape, offsets[which] + offset, size, crc)
+        for (key, dtype, shape, crc), (which, offset), size in zip(
+            specs, packing.places, nbytes, strict=True
         )
     ]
 

@@ -68,9 +68,8 @@ class MappedLayout:
     whole: bool = True
     #: One address range per slot, its segments back to back (see ``segment.Region``).
     _regions: list[segment.Region] = field(default_factory=list)
-    #: The mapped views of the slot still being received, and its whole range's bytes.
-    _views: list[torch.Tensor] = field(default_factory=list)
-    _whole: torch.Tensor | None = None
+    #: Segments of the slot still being received mapped so far.
+    _mapped: int = 0
     _unpinnable: bool = False
     #: Held while segments are mapped or faulted in, and to close: the background request
     #: adding slots must never touch a region after it is unmapped.
@@ -90,7 +89,7 @@ class MappedLayout:
 
     def expect(self, slot_count: int) -> None:
         """Reserve address space for ``slot_count`` more slots, whose segments come next."""
-        sizes = [spec.nbytes for spec in self.layout.tensors]
+        sizes = self.layout.packing().sizes
         made: list[segment.Region] = []
         try:
             for _ in range(slot_count):
@@ -113,11 +112,11 @@ class MappedLayout:
 
     @property
     def expected_segments(self) -> int:
-        return self.slot_count * len(self.layout.tensors)
+        return self.slot_count * len(self.layout.packing())
 
     @property
     def received_segments(self) -> int:
-        return len(self.slots) * len(self.layout.tensors) + len(self._views)
+        return len(self.slots) * len(self.layout.packing()) + self._mapped
 
     def add_segments(self, fds: Sequence[int]) -> None:
         """Map the next batch (slot-major order); always closes every descriptor given."""
@@ -135,20 +134,25 @@ class MappedLayout:
             raise ValueError(
                 f"daemon sent more than the {self.expected_segments} segments announced"
             )
-        per_slot = len(self.layout.tensors)
+        packing = self.layout.packing()
         for fd in fds:
-            index = len(self._views)
-            spec = self.layout.tensors[index]
             region = self._regions[len(self.slots)]
-            region.map(index, fd, writable=True)
-            if index == 0:  # one tensor over the slot's range, sliced per tensor: 10,000
-                self._whole = _bytes(region.buffer(), region.size)  # frombuffers cost 0.1 s
-            self._views.append(
-                _typed_view(self._whole, region.offsets[index], spec.nbytes, spec.dtype, spec.shape)
+            region.map(self._mapped, fd, writable=True)
+            self._mapped += 1
+            if self._mapped == len(packing):
+                self.slots.append(self._typed_views(region))
+                self._mapped = 0
+
+    def _typed_views(self, region: segment.Region) -> list[torch.Tensor]:
+        """Every tensor's view in a slot's mapped range: one tensor over the range, sliced
+        per tensor at its segment's place (10,000 frombuffers cost 0.1 s)."""
+        whole = _bytes(region.buffer(), region.size)
+        return [
+            _typed_view(whole, region.offsets[which] + offset, spec.nbytes, spec.dtype, spec.shape)
+            for spec, (which, offset) in zip(
+                self.layout.tensors, self.layout.packing().places, strict=True
             )
-            if len(self._views) == per_slot:
-                self.slots.append(self._views)
-                self._views, self._whole = [], None
+        ]
 
     def complete(self) -> MappedLayout:
         """Check every segment announced arrived."""
@@ -183,7 +187,7 @@ class MappedLayout:
             ranges.register(_pieces(self._regions[index]))
         except PIN_FAILURES as exc:
             log.info("pinning whole slot %d failed (%s); pinning segment by segment", index, exc)
-            fallback = try_pin([_raw(view) for view in self.slots[index]])
+            fallback = try_pin(_segments(self._regions[index], self.layout.packing().sizes))
             if fallback is None:
                 self._unpinnable = True  # warned once; copies run unpinned from now on
                 return
@@ -205,7 +209,6 @@ class MappedLayout:
                 ranges.release()  # CUDA must forget a range before it is unmapped
             self.pinned.clear()
             self.slots.clear()
-            self._views.clear()
             for region in self._regions:
                 region.close()
             self._regions.clear()
@@ -227,6 +230,12 @@ def _pieces(region: segment.Region) -> list[torch.Tensor]:
     return [whole[start:end] for start, end in itertools.pairwise(cuts)]
 
 
+def _segments(region: segment.Region, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Each segment's bytes in a slot's range (empty ones empty: nothing to pin)."""
+    whole = _bytes(region.buffer(), region.size)
+    return [whole[start : start + size] for start, size in zip(region.offsets, sizes, strict=True)]
+
+
 def _bytes(buffer: ctypes.Array[ctypes.c_char], nbytes: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns that the buffer is writable
@@ -236,16 +245,12 @@ def _bytes(buffer: ctypes.Array[ctypes.c_char], nbytes: int) -> torch.Tensor:
 def _typed_view(
     whole: torch.Tensor | None, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """A tensor's view at its page-aligned ``offset`` in its slot's bytes ``whole``."""
+    """A tensor's view at ``offset`` (its segment's place, plus its place in a pack: aligned
+    for any dtype) in its slot's bytes ``whole``."""
     torch_dtype = FROM_SAFETENSORS[dtype]
     if nbytes == 0 or whole is None:
         return torch.empty(shape, dtype=torch_dtype)
     return whole[offset : offset + nbytes].view(torch_dtype).view(shape)
-
-
-def _raw(view: torch.Tensor) -> torch.Tensor:
-    """The bytes behind a typed slot view (empty for zero-size tensors)."""
-    return view.reshape(-1).view(torch.uint8)
 
 
 def device_groups(devices: Sequence[torch.device]) -> dict[torch.device, list[int]]:

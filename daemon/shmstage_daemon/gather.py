@@ -42,6 +42,7 @@ import crc32c
 from shmstage import segment
 from shmstage.checksums import combine
 from shmstage.layout import Layout
+from shmstage.packing import Packing
 from shmstage.segment import SegmentRef
 from shmstage_daemon import faults
 from shmstage_daemon.scheduler import Check, Chunk, JobWrites
@@ -211,15 +212,23 @@ def whole_file(
         writes.drain()
         return checksums
     checksums = []
+    places = _places(layout, refs)
     data = Gatherer(writes)
     data.add_bytes(header, "the safetensors header")
-    for index, (spec, ref) in enumerate(zip(layout.tensors, refs, strict=True)):
+    for index, (spec, (which, offset)) in enumerate(zip(layout.tensors, places, strict=True)):
         if index == 1 and faults.armed("mid-stream"):
             data.write_through()  # "mid-stream" means the first tensor is in the file
             faults.pause("mid-stream")
-        checksums.append(data.add_segment(ref, spec.nbytes, f"tensor {spec.key!r}"))
+        what = f"tensor {spec.key!r}"
+        checksums.append(data.add_segment(refs[which], spec.nbytes, what, offset))
     data.finish()
     return checksums
+
+
+def _places(layout: Layout, refs: Sequence[SegmentRef]) -> tuple[tuple[int, int], ...]:
+    """Each tensor's segment (an index into ``refs``) and offset there: a segment each, or
+    packed (``shmstage.packing``), whichever the staged segments are."""
+    return Packing.of_segments([spec.nbytes for spec in layout.tensors], len(refs)).places
 
 
 def in_regions(
@@ -234,6 +243,7 @@ def in_regions(
     fails the job's writes, so the others stop at their next chunk, and is raised once
     all have stopped. Does not wait for the writes (the caller drains)."""
     ends = [*starts[1:], len(header) + layout.nbytes]
+    places = _places(layout, refs)
     plans: list[list[tuple[int, int, int]]] = [[] for _ in starts]  # (tensor, at, nbytes)
     offset = len(header)
     for index, spec in enumerate(layout.tensors):
@@ -252,7 +262,8 @@ def in_regions(
                 data.add_bytes(header, "the safetensors header")
             for index, at, nbytes in plans[region]:
                 what = f"tensor {layout.tensors[index].key!r}"
-                crc = data.add_segment(refs[index], nbytes, what, at)
+                which, offset = places[index]
+                crc = data.add_segment(refs[which], nbytes, what, offset + at)
                 parts[region].append((index, at, crc, nbytes))
             data.finish(drain=False)
         except BaseException as exc:

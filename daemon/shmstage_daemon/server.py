@@ -540,7 +540,7 @@ class Daemon:
 
     def create_segments(self, layout: Layout, slots: int) -> list[list[SegmentRef]]:
         """Runs in an I/O thread, fanning large layouts out to setup threads; all or nothing."""
-        sizes = [spec.nbytes for spec in layout.tensors] * slots
+        sizes = list(layout.packing().sizes) * slots
         refs: list[SegmentRef | None] = [None] * len(sizes)
 
         def make(index: int) -> None:
@@ -556,7 +556,7 @@ class Daemon:
                 if ref is not None:
                     segment.unlink(ref.name)
             raise
-        per_slot = len(layout.tensors)
+        per_slot = len(layout.packing())
         made = [ref for ref in refs if ref is not None]
         return [made[i * per_slot : (i + 1) * per_slot] for i in range(slots)]
 

@@ -289,7 +289,7 @@ class Session:
         try:
             refs = await self._make_slots(layout, slots, nbytes)
         except BaseException:
-            self.store.unreserve(self.peer.uid, nbytes, len(layout.tensors) * slots)
+            self.store.unreserve(self.peer.uid, nbytes, len(layout.packing()) * slots)
             raise
         staged = self.store.add(self.id, layout, refs, nbytes, uid=self.peer.uid)
         self.daemon.telemetry.registered(created=staged.segment_count)
@@ -396,7 +396,7 @@ class Session:
         nbytes = self.store.reserve_slots(self.id, staged, wanted)
         refs: list[list[SegmentRef]] = []
         if nbytes:
-            nsegments = len(staged.layout.tensors) * extra
+            nsegments = len(staged.layout.packing()) * extra
             try:
                 refs = await self._make_slots(staged.layout, extra, nbytes)
             except BaseException:
@@ -850,7 +850,7 @@ class Session:
             "seconds": lease.expires - lease.granted,
             "job": held.job,
             "segments": len(slot.segments),
-            "sizes": [spec.nbytes for spec in staged.layout.tensors],
+            "sizes": list(staged.layout.packing().sizes),
             "durable": held.durable,
             "digest": held.digest,
             "directory": held.directory,

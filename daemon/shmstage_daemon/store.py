@@ -240,18 +240,18 @@ class Store:
         if planned > slots:
             self.check_slots(planned)
             nbytes = self.registration_bytes(layout, planned)
-            nsegments = len(layout.tensors) * planned
+            nsegments = len(layout.packing()) * planned
             self._charge(session, nbytes, nsegments, nbytes, planned, layout.nbytes, apply=False)
         nbytes = self.registration_bytes(layout, slots)
-        nsegments = len(layout.tensors) * slots
+        nsegments = len(layout.packing()) * slots
         self._charge(session, nbytes, nsegments, nbytes, slots, layout.nbytes)
         return nbytes
 
     @staticmethod
     def registration_bytes(layout: Layout, slots: int) -> int:
-        """What registering ``layout`` with ``slots`` slots takes: whole pages, as tmpfs
-        takes them (a layout without tensors still costs a page)."""
-        return max(sum(pages(spec.nbytes) for spec in layout.tensors), PAGE) * slots
+        """What registering ``layout`` with ``slots`` slots takes: its segments in whole
+        pages, as tmpfs takes them (a layout without tensors still costs a page)."""
+        return max(sum(pages(size) for size in layout.packing().sizes), PAGE) * slots
 
     def check_slots(self, slots: int) -> None:
         if not 1 <= slots <= self.limits.max_slots:
@@ -328,7 +328,7 @@ class Store:
         if extra <= 0:
             return 0
         nbytes = self.registration_bytes(staged.layout, extra)
-        nsegments = len(staged.layout.tensors) * extra
+        nsegments = len(staged.layout.packing()) * extra
         self._charge(session, nbytes, nsegments, nbytes, slots, staged.layout.nbytes, layouts=0)
         return nbytes
 
@@ -502,7 +502,7 @@ class Store:
         per_slot = staged.slot_bytes
         extra = max(slots - len(staged.slots), 0)
         nbytes = per_slot * (len(staged.slots) + extra)
-        nsegments = len(staged.layout.tensors) * (len(staged.slots) + extra)
+        nsegments = len(staged.layout.packing()) * (len(staged.slots) + extra)
         self._charge(session, nbytes, nsegments, per_slot * extra, slots, staged.layout.nbytes)
         del self.retained[staged.id]
         staged.owner, staged.retained = session, None

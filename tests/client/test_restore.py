@@ -65,6 +65,43 @@ def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
         assert_same(load(ckpt / "c3", socket=daemon.socket), state(3))
 
 
+def test_many_small_tensors_share_segments_and_come_back_exactly(daemon, ckpt: Path) -> None:
+    """A layout of hundreds of tensors packs its small ones into shared segments (odd
+    sizes, mixed dtypes, one empty, one large enough for a segment of its own): the daemon
+    makes a few segments per slot, not one per tensor, and the file, ``load`` from memory
+    and ``latest`` all give back every tensor bit for bit."""
+    from safetensors.torch import load_file
+
+    from shmstage import segment
+
+    def many(seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {
+            f"p{i}": torch.randn(i % 97 + 1, generator=gen).to(
+                (torch.bfloat16, torch.float32, torch.float64)[i % 3]
+            )
+            for i in range(600)
+        }
+        tensors["big"] = torch.randn(300_000, generator=gen)  # 1.2 MB: a segment of its own
+        tensors["empty"] = torch.zeros(0, 4)
+        return tensors
+
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.save(many(1), ckpt / "a").wait(60)
+        stager.save(many(2), ckpt / "b").wait(60)
+        assert 2 * 2 <= len(segment.list_names(daemon.instance)) <= 2 * 4  # 602 tensors
+        on_disk = load_file(str(ckpt / "a" / "model.safetensors"))
+        assert on_disk.keys() == many(1).keys()
+        for key, tensor in many(1).items():
+            assert torch.equal(on_disk[key], tensor), key
+        first = restored(ckpt / "a", daemon)
+        assert first.source == "memory" and first.verified
+        assert_same(first.state, many(1))
+        newest = latest(socket=daemon.socket)
+        assert newest.source == "memory" and newest.path == ckpt / "b"
+        assert_same(newest.state, many(2))
+
+
 def test_restores_hold_off_the_garbage_collector_and_leave_it_as_the_caller_set_it(
     daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -87,9 +87,9 @@ def test_eof_inside_a_frame_is_a_protocol_error() -> None:
             raw({"op": "hello", "id": 1, "version": 99, "client": "x", "pid": 1}),
             ErrorCode.UNSUPPORTED_VERSION,
         ),
-        (raw({"op": "hello", "id": 1, "version": 1, "client": 5, "pid": 1}), ErrorCode.BAD_REQUEST),
+        (raw({"op": "hello", "id": 1, "version": 2, "client": 5, "pid": 1}), ErrorCode.BAD_REQUEST),
         (
-            raw({"op": "hello", "id": 1, "version": 1, "client": "x", "pid": 1, "evil": 1}),
+            raw({"op": "hello", "id": 1, "version": 2, "client": "x", "pid": 1, "evil": 1}),
             ErrorCode.BAD_REQUEST,
         ),
         (b"\x00\x00\x00\x00", ErrorCode.BAD_FRAME),
@@ -382,7 +382,7 @@ def test_only_commit_lease_and_latest_carry_descriptors() -> None:
 
 def test_the_daemon_answers_a_lease_with_its_segments_and_the_structure_for_latest() -> None:
     daemon, client = Connection(Role.DAEMON), Connection(Role.CLIENT)
-    client.receive_data(daemon.send("welcome", 1, {"version": 1, "daemon": "d", "instance": "i",
+    client.receive_data(daemon.send("welcome", 1, {"version": 2, "daemon": "d", "instance": "i",
                                                    "limits": {}}))
     assert client.next_frame().op == "welcome"
     leased = {

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from shmstage_daemon import faults, gather, job, scheduler
 from shmstage_daemon.chunkwriter import BLOCK
 
-from shmstage import checkpoint, manifest, names, segment
+from shmstage import checkpoint, manifest, names, packing, segment
 from shmstage.layout import TensorSpec
 
 CHUNK = 16 * BLOCK
@@ -133,6 +133,23 @@ def test_many_small_tensors_are_gathered_into_shared_chunks(
     rng = random.Random(7)
     tensors = tensors_of([rng.randrange(0, 3 * 1024) for _ in range(2000)])
     persist = staged_job(tmp_path / "c", instance_id, tensors)
+    assert job.run(persist).ok
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
+def test_tensors_packed_into_shared_segments_are_gathered_from_their_places(
+    tmp_path: Path, instance_id: str, small_chunks: scheduler.WriteScheduler, gathering: str
+) -> None:
+    """A layout of many tensors, its small ones packed several to a segment, large ones
+    (here over a pack's size) in segments of their own between them: every tensor comes
+    from its own place, whole, whichever thread gathers it."""
+    rng = random.Random(3)
+    sizes = [rng.randrange(0, 5000) for _ in range(600)]
+    sizes[10] = sizes[300] = packing.PACK_BELOW + 123  # large: their own segments
+    sizes[11] = 0
+    tensors = tensors_of(sizes)
+    persist = staged_job(tmp_path / "c", instance_id, tensors, packed=True)
+    assert 2 < len(persist.segments) < 10
     assert job.run(persist).ok
     assert_written_exactly(tmp_path / "c", tensors)
 

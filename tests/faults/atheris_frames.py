@@ -28,7 +28,7 @@ SOCKET = Path(sys.argv.pop(1))
 #: libFuzzer leaves with exit() from C, past Python's atexit: report after the last run.
 RUNS = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("-runs=")), -1)
 SCRATCH = Path(os.environ.get("TMPDIR", "/tmp"))
-HELLO = encode({"op": "hello", "id": 1, "nfds": 0, "version": 1, "client": "atheris", "pid": 1})
+HELLO = encode({"op": "hello", "id": 1, "nfds": 0, "version": 2, "client": "atheris", "pid": 1})
 inputs = 0
 frames = 0
 

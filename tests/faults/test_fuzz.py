@@ -312,7 +312,7 @@ def run_session(sock: Path, scratch: Path, greet: bool, frames: list) -> int:
     connection = FuzzConnection(sock)
     try:
         if greet:
-            connection.request({"op": "hello", "id": 0, "nfds": 0, "version": 1,
+            connection.request({"op": "hello", "id": 0, "nfds": 0, "version": 2,
                                 "client": "fuzz", "pid": os.getpid()}, [], answer=True)  # fmt: skip
             connection.frames_sent -= 1
         for item, kinds, answer in frames:

@@ -224,7 +224,7 @@ def test_descriptors_on_other_operations_are_closed_not_leaked(daemon) -> None:
     # the handshake half done, and the next request crashed the session internally).
     early = RawClient(daemon.socket, hello=False)
     r, w = os.pipe()
-    early.request("hello", {"version": 1, "client": "x", "pid": 1}, [r, w])
+    early.request("hello", {"version": 2, "client": "x", "pid": 1}, [r, w])
     os.close(r)
     os.close(w)
     early.send_raw(early.conn.send("status", 2, {}))

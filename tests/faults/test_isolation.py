@@ -67,7 +67,7 @@ def test_another_uid_cannot_open_a_clients_segments(daemons, world: Path) -> Non
             raw = socket.socket(socket.AF_UNIX)
             raw.connect("{daemon.socket}")
             conn = protocol.Connection(protocol.Role.CLIENT)
-            raw.sendall(conn.send("hello", 1, {{"version": 1, "client": "x", "pid": 1}}))
+            raw.sendall(conn.send("hello", 1, {{"version": 2, "client": "x", "pid": 1}}))
             raw.sendall(conn.send("acquire", 2, {{"layout": 1, "wait": False, "timeout": None}}))
             frames = []
             while len(frames) < 2:

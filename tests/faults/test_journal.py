@@ -11,6 +11,7 @@ import harness
 import msgpack
 import pytest
 from fault_helpers import NOBODY, require_root
+from safetensors import safe_open
 from shmstage_daemon import job, journal
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.store import SlotWire
@@ -75,6 +76,33 @@ def test_a_finished_job_is_recognised_and_needs_no_segments(tmp_path: Path, inst
     assert checkpoint.verify(tmp_path / "c") == []
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-per-tensor"])
+def test_a_job_of_many_tensors_is_recovered_from_its_packed_or_unpacked_segments(
+    tmp_path: Path, instance_id, packed: bool
+) -> None:
+    """A killed daemon's job of 300 small tensors is finished from its entry, whether its
+    segments were packed or staged one per tensor (by a daemon from before packing)."""
+    sizes = [i % 50 for i in range(300)]
+    tensors = [(TensorSpec(f"t{i}", "U8", (n,)), bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+    persist = harness.staged_job(tmp_path / "c", instance_id, tensors, peer=ROOT, packed=packed)
+    assert (len(persist.segments) < 300) == packed
+    result = journal.recover(entry_of(persist, instance_id))
+    assert result.ok, result.message
+    assert checkpoint.verify(tmp_path / "c") == []
+    with safe_open(str(tmp_path / "c" / "model.safetensors"), "numpy") as f:
+        for spec, payload in tensors:
+            assert f.get_tensor(spec.key).tobytes() == payload
+
+
+def test_an_entry_whose_segments_match_no_packing_is_given_up(tmp_path: Path, instance_id) -> None:
+    tensors = [(TensorSpec(f"t{i}", "U8", (4,)), b"abcd") for i in range(300)]
+    persist = harness.staged_job(tmp_path / "c", instance_id, tensors, peer=ROOT)
+    persist.segments = persist.segments[:2]
+    result = journal.recover(entry_of(persist, instance_id))
+    assert not result.ok and "do not match its layout" in result.message
+    assert not (tmp_path / "c" / "model.safetensors").exists()
+
+
 def test_a_job_whose_segments_are_gone_is_given_up_cleanly(tmp_path: Path, instance_id) -> None:
     persist = staged_job(tmp_path / "c", instance_id)
     entry = entry_of(persist, instance_id)
@@ -103,9 +131,7 @@ def test_paths_are_reopened_only_to_the_same_directory(tmp_path: Path, instance_
     assert os.listdir(real) == []
 
 
-def test_a_directory_its_user_can_no_longer_write_is_not_written(
-    world: Path, instance_id
-) -> None:
+def test_a_directory_its_user_can_no_longer_write_is_not_written(world: Path, instance_id) -> None:
     """Recovery acts with the user's own filesystem rights: a directory made read-only for
     it (here by its owner) gets nothing, even from a daemon running as root."""
     require_root("another uid")
@@ -167,9 +193,7 @@ def test_reapers_hold_back_what_a_journal_owes(tmp_path: Path) -> None:
         report = instance.reap(only_uid=os.geteuid())
         assert dead.instance in report.held
         assert sorted(segment.list_names(dead.instance)) == sorted([owed.name, stray.name])
-        assert instance.predecessors("/x.sock", os.geteuid()) == [
-            (dead.instance, str(journal_dir))
-        ]
+        assert instance.predecessors("/x.sock", os.geteuid()) == [(dead.instance, str(journal_dir))]
         instance.reap(only_uid=os.geteuid(), keep={owed.name}, own_journals={str(journal_dir)})
         assert segment.list_names(dead.instance) == [owed.name]
         assert os.path.exists(instance.lock_path(dead.instance))  # still names the journal

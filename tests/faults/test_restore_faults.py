@@ -267,7 +267,7 @@ except CheckpointError as exc:
 for name in ("c2", "c1"):  # the second would be the last slot of root's layout
     s = socket.socket(socket.AF_UNIX); s.connect({sock!r})
     c = protocol.Connection(protocol.Role.CLIENT)
-    s.sendall(c.send("hello", 1, {{"version": 1, "client": "x", "pid": 1}}))
+    s.sendall(c.send("hello", 1, {{"version": 2, "client": "x", "pid": 1}}))
     fd = os.open(ckpt / name / "model.safetensors", os.O_RDONLY)
     digest = __import__("shmstage.manifest").manifest.digest(
         (ckpt / name / "shmstage-manifest.json").read_bytes())

@@ -152,7 +152,7 @@ def test_memory_floods_are_bounded(watched, victim: User, attacker: User, arena:
             s.settimeout(10)
             s.connect("{daemon.socket}")
             conn = Connection(Role.CLIENT)
-            s.sendall(conn.send("hello", 1, {{"version": 1, "client": "x", "pid": 1}}))
+            s.sendall(conn.send("hello", 1, {{"version": 2, "client": "x", "pid": 1}}))
             return s
         parked = []
         head = msgpack.packb({{"op": "commit", "id": 2, "nfds": 0}})

@@ -20,7 +20,7 @@ REGISTER = """
         def session(path):
             s = socket.socket(socket.AF_UNIX); s.settimeout(30); s.connect(path)
             conn = Connection(Role.CLIENT)
-            s.sendall(conn.send("hello", 1, {"version": 1, "client": "x", "pid": 1}))
+            s.sendall(conn.send("hello", 1, {"version": 2, "client": "x", "pid": 1}))
             return s, conn
         def frame(s, conn):
             while (f := conn.next_frame()) is None:
@@ -125,7 +125,7 @@ def test_hostile_values_are_refused_escaped_or_bounded(
         + f"""
         evil = socket.socket(socket.AF_UNIX); evil.connect("{daemon.socket}")
         greeting = Connection(Role.CLIENT)
-        evil.sendall(greeting.send("hello", 1, {{"version": 1, "pid": 1,
+        evil.sendall(greeting.send("hello", 1, {{"version": 2, "pid": 1,
                      "client": "evil\\n2026-01-01 INFO shmstaged: forged line"}}))
         frame(evil, greeting)
         """
