@@ -5,8 +5,9 @@ descriptors are installed, and in a process with more than one thread each growt
 for an RCU grace period (``expand_fdtable`` calls ``synchronize_rcu``) while every other
 thread that opens a descriptor waits too. A trainer is always multi-threaded (torch starts
 threads on import), so receiving 500 segments' descriptors in a new process grew its table
-four times on the way to 1,024 entries: on a 2-core build host 28-34 ms, where one growth
-straight to that size took 12 ms and the 600 descriptors then went in in 0.3 ms. The daemon
+four times on the way to 1,024 entries: 39-48 ms on the H100 host (28-34 ms on a 2-core
+build host), where one growth straight to that size took 6-8 ms (12 ms) and the 600
+descriptors then went in in 0.2 ms. The daemon
 reserves its table at start, while it is still single-threaded and growing costs no grace
 period at all.
 
