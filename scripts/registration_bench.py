@@ -1,7 +1,8 @@
 """Where a first save's registration time goes: create + fallocate, map, prefault, pin.
 
-A first save (a new structure) registers its layout: the daemon creates and reserves one
-segment per tensor and slot, the client maps them back to back, faults them in and pins
+A first save (a new structure) registers its layout: the daemon creates and reserves its
+segments per slot (one per tensor; small tensors of large layouts packed together,
+``shmstage.packing``), the client maps them back to back, faults them in and pins
 them with cudaHostRegister. This times each step in one process, the way daemon and client
 do them (same functions), for a synthetic layout, so the steps can be compared and tuned
 (``--threads`` caps the setup threads; 1 is the serial baseline). Without CUDA the pin step
@@ -23,6 +24,7 @@ from shmstage_client import pinning
 from shmstage_client.staging import _pieces
 
 from shmstage import instance, segment
+from shmstage.packing import Packing
 from shmstage.units import format_size, parse_size
 
 
@@ -52,12 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     total = parse_size(args.size)
-    sizes = [total // args.tensors] * args.tensors
-    sizes[-1] += total - sum(sizes)
+    tensors = [total // args.tensors] * args.tensors
+    tensors[-1] += total - sum(tensors)
+    sizes = list(Packing.of(tensors).sizes)
     gib = total / 2**30
     print(
-        f"{format_size(total)} x {args.slots} slot(s) in {args.tensors} tensors, up to "
-        f"{args.threads} setup thread(s){', no prefault' if args.no_prefault else ''}"
+        f"{format_size(total)} x {args.slots} slot(s) in {args.tensors} tensors "
+        f"({len(sizes)} segments per slot), up to {args.threads} setup thread(s)"
+        f"{', no prefault' if args.no_prefault else ''}"
     )
     for round_ in range(args.rounds):
         steps = one_round(sizes, args.slots, args.threads, not args.no_prefault)
