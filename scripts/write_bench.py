@@ -39,6 +39,7 @@ from shmstage_daemon.admission import Peer
 from shmstage import datafile, instance, names, segment
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
+from shmstage.packing import Packing
 from shmstage.units import format_size, parse_size
 
 
@@ -77,10 +78,12 @@ class MemInfo:
 
 
 def stage(instance: str, sizes: list[int]) -> list[segment.SegmentRef]:
-    """Segments filled with bytes that differ per tensor (a 1 MiB random block, rotated)."""
+    """The segments the daemon would make for tensors of ``sizes`` (small ones packed in a
+    large layout), filled with bytes that differ per segment (a 1 MiB random block,
+    rotated)."""
     block = os.urandom(1 << 20)
     refs = []
-    for index, size in enumerate(sizes):
+    for index, size in enumerate(Packing.of(sizes).sizes):
         ref = segment.create(instance, size)
         fd = segment.open_fd(ref, writable=True)
         try:

@@ -86,13 +86,16 @@ def open_segment(ref: SegmentRef) -> int:
 
 class Gatherer:
     """Packs one data file, or one region of it from ``position`` on, into chunks; used by
-    one thread only."""
+    one thread only, and closed (``with``) for the segment it keeps open: tensors packed
+    into one segment follow each other, so it is opened once for all of them."""
 
     def __init__(self, writes: JobWrites, position: int = 0) -> None:
         self.writes = writes
         #: File offset of the next byte gathered.
         self.position = position
         self._chunk: Chunk | None = None
+        #: The segment read last and its descriptor, kept for the next tensor packed in it.
+        self._open: tuple[SegmentRef, int] | None = None
 
     def add_bytes(self, data: bytes, what: str) -> None:
         """Gather bytes the daemon holds (the header)."""
@@ -108,15 +111,27 @@ class Gatherer:
         their CRC-32C."""
         if nbytes == 0:
             return 0
-        fd = open_segment(ref)
-        try:
+        if self._open is None or self._open[0] is not ref:
+            self.close()
+            self._open = (ref, open_segment(ref))
+        fd = self._open[1]
 
-            def read(target: memoryview, done: int) -> None:
-                _read_exactly(fd, target, at + done, ref)
+        def read(target: memoryview, done: int) -> None:
+            _read_exactly(fd, target, at + done, ref)
 
-            return self._pack(read, nbytes, what, tensor=True)
-        finally:
-            os.close(fd)
+        return self._pack(read, nbytes, what, tensor=True)
+
+    def close(self) -> None:
+        """Close the segment kept open (its tensors are gathered, or the job failed)."""
+        if self._open is not None:
+            os.close(self._open[1])
+            self._open = None
+
+    def __enter__(self) -> Gatherer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def write_through(self) -> None:
         """Have everything gathered so far in the file now (see ``JobWrites.write_through``)."""
@@ -213,15 +228,15 @@ def whole_file(
         return checksums
     checksums = []
     places = _places(layout, refs)
-    data = Gatherer(writes)
-    data.add_bytes(header, "the safetensors header")
-    for index, (spec, (which, offset)) in enumerate(zip(layout.tensors, places, strict=True)):
-        if index == 1 and faults.armed("mid-stream"):
-            data.write_through()  # "mid-stream" means the first tensor is in the file
-            faults.pause("mid-stream")
-        what = f"tensor {spec.key!r}"
-        checksums.append(data.add_segment(refs[which], spec.nbytes, what, offset))
-    data.finish()
+    with Gatherer(writes) as data:
+        data.add_bytes(header, "the safetensors header")
+        for index, (spec, (which, at)) in enumerate(zip(layout.tensors, places, strict=True)):
+            if index == 1 and faults.armed("mid-stream"):
+                data.write_through()  # "mid-stream" means the first tensor is in the file
+                faults.pause("mid-stream")
+            what = f"tensor {spec.key!r}"
+            checksums.append(data.add_segment(refs[which], spec.nbytes, what, at))
+        data.finish()
     return checksums
 
 
@@ -257,15 +272,15 @@ def in_regions(
 
     def gather(region: int) -> None:
         try:
-            data = Gatherer(writes, starts[region])
-            if region == 0:
-                data.add_bytes(header, "the safetensors header")
-            for index, at, nbytes in plans[region]:
-                what = f"tensor {layout.tensors[index].key!r}"
-                which, offset = places[index]
-                crc = data.add_segment(refs[which], nbytes, what, offset + at)
-                parts[region].append((index, at, crc, nbytes))
-            data.finish(drain=False)
+            with Gatherer(writes, starts[region]) as data:
+                if region == 0:
+                    data.add_bytes(header, "the safetensors header")
+                for index, at, nbytes in plans[region]:
+                    what = f"tensor {layout.tensors[index].key!r}"
+                    which, offset = places[index]
+                    crc = data.add_segment(refs[which], nbytes, what, offset + at)
+                    parts[region].append((index, at, crc, nbytes))
+                data.finish(drain=False)
         except BaseException as exc:
             errors[region] = exc
             writes.fail(exc)
