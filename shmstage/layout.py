@@ -169,6 +169,13 @@ class Layout:
         assert self._packing is not None
         return self._packing
 
+    def packing_for(self, segments: int) -> Packing:
+        """How ``segments`` staged segments hold this layout's tensors: packed, as the
+        daemon stages them, or one each, as a daemon before packing did (a journal may
+        still owe such a job); raises ValueError when neither."""
+        sizes = [spec.nbytes for spec in self.tensors]
+        return Packing.of_segments(sizes, segments, self.packing())
+
     def keys(self) -> Sequence[str]:
         return [spec.key for spec in self.tensors]
 

@@ -68,12 +68,15 @@ class Packing:
         return cls(tuple(nbytes), tuple((index, 0) for index in range(len(nbytes))))
 
     @classmethod
-    def of_segments(cls, nbytes: Sequence[int], count: int) -> Packing:
+    def of_segments(
+        cls, nbytes: Sequence[int], count: int, packed: Packing | None = None
+    ) -> Packing:
         """The packing of tensors of these sizes into ``count`` segments: one each, or
-        packed; raises ValueError when neither has that many."""
+        packed (``packed``: ``of(nbytes)``, where the caller has it already); raises
+        ValueError when neither has that many."""
         if count == len(nbytes):
             return cls.one_each(nbytes)
-        packed = cls.of(nbytes)
+        packed = cls.of(nbytes) if packed is None else packed
         if len(packed) != count:
             raise ValueError(
                 f"{count} segments hold neither one tensor each nor the {len(packed)} packs "

@@ -42,7 +42,6 @@ import crc32c
 from shmstage import segment
 from shmstage.checksums import combine
 from shmstage.layout import Layout
-from shmstage.packing import Packing
 from shmstage.segment import SegmentRef
 from shmstage_daemon import faults
 from shmstage_daemon.scheduler import Check, Chunk, JobWrites
@@ -227,7 +226,7 @@ def whole_file(
         writes.drain()
         return checksums
     checksums = []
-    places = _places(layout, refs)
+    places = layout.packing_for(len(refs)).places
     with Gatherer(writes) as data:
         data.add_bytes(header, "the safetensors header")
         for index, (spec, (which, at)) in enumerate(zip(layout.tensors, places, strict=True)):
@@ -238,12 +237,6 @@ def whole_file(
             checksums.append(data.add_segment(refs[which], spec.nbytes, what, at))
         data.finish()
     return checksums
-
-
-def _places(layout: Layout, refs: Sequence[SegmentRef]) -> tuple[tuple[int, int], ...]:
-    """Each tensor's segment (an index into ``refs``) and offset there: a segment each, or
-    packed (``shmstage.packing``), whichever the staged segments are."""
-    return Packing.of_segments([spec.nbytes for spec in layout.tensors], len(refs)).places
 
 
 def in_regions(
@@ -258,7 +251,7 @@ def in_regions(
     fails the job's writes, so the others stop at their next chunk, and is raised once
     all have stopped. Does not wait for the writes (the caller drains)."""
     ends = [*starts[1:], len(header) + layout.nbytes]
-    places = _places(layout, refs)
+    places = layout.packing_for(len(refs)).places
     plans: list[list[tuple[int, int, int]]] = [[] for _ in starts]  # (tensor, at, nbytes)
     offset = len(header)
     for index, spec in enumerate(layout.tensors):

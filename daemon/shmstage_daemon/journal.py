@@ -57,7 +57,6 @@ from shmstage import names, segment
 from shmstage.instance import JOURNAL_SUFFIX
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import MANIFEST_NAME
-from shmstage.packing import Packing
 from shmstage.protocol import pack_map
 from shmstage.segment import SegmentRef
 from shmstage_daemon import credentials, job
@@ -494,8 +493,8 @@ def recover(entry: Entry, stop: threading.Event | None = None) -> job.JobResult:
     if not committed:
         try:
             refs = _check_segments(entry)
-            try:  # one each (as a daemon before packing staged them) or packed
-                Packing.of_segments([spec.nbytes for spec in layout.tensors], len(refs))
+            try:
+                layout.packing_for(len(refs))
             except ValueError as exc:
                 raise JournalError(f"the entry's segments do not match its layout: {exc}") from None
         except (JournalError, OSError) as exc:
