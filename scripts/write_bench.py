@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     gather.MAX_REGIONS = max(1, args.gather_regions)
     total = parse_size(args.size)
     count = max(1, args.tensors)
-    sizes = [total // count] * count
+    # multiples of 64 bytes, as model tensors are (as shmstage-bench draws them)
+    sizes = [total // count // 64 * 64] * count
     sizes[-1] += total - sum(sizes)
     specs = [TensorSpec(f"layers.{i}.weight", "U8", (n,)) for i, n in enumerate(sizes)]
     layout = Layout.of(specs)

@@ -27,19 +27,32 @@ class DataFileError(ValueError):
 
 
 def build_header(layout: Layout, metadata: Mapping[str, str] | None = None) -> bytes:
-    """The complete header prefix (length + padded JSON) for a layout's data file."""
-    header: dict[str, Any] = {}
+    """The complete header prefix (length + padded JSON) for a layout's data file.
+
+    The JSON is what ``json.dumps`` makes of the header's dict with compact separators and
+    ``ensure_ascii=False``, written tensor by tensor: building 10,000 entries' dicts for it
+    was most of the 30 ms a first commit of a 10,000-tensor layout spent on its header, on
+    the daemon's event loop."""
+    parts = []
     if metadata:
-        header[RESERVED_KEY] = {str(k): str(v) for k, v in metadata.items()}
-    for spec, (begin, end) in zip(layout.tensors, layout.data_offsets(), strict=True):
-        header[spec.key] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [begin, end],
-        }
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        strings = {str(k): str(v) for k, v in metadata.items()}
+        parts.append(_string(RESERVED_KEY) + ":" + json.dumps(strings, **_COMPACT))
+    position = 0
+    for spec, size in zip(layout.tensors, layout.sizes, strict=True):
+        shape = ",".join(map(str, spec.shape))
+        parts.append(
+            f'{_string(spec.key)}:{{"dtype":"{spec.dtype}","shape":[{shape}],'
+            f'"data_offsets":[{position},{position + size}]}}'
+        )
+        position += size
+    text = ("{" + ",".join(parts) + "}").encode("utf-8")
     padded = -(-(len(text) + _U64.size) // DATA_ALIGNMENT) * DATA_ALIGNMENT - _U64.size
     return _U64.pack(padded) + text + b" " * (padded - len(text))
+
+
+_COMPACT: Final[dict[str, Any]] = {"separators": (",", ":"), "ensure_ascii": False}
+#: A JSON string literal, as ``json.dumps(..., ensure_ascii=False)`` writes one.
+_string: Final = json.encoder.encode_basestring
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,9 @@ class TensorSpec:
     def validate(self) -> None:
         if not isinstance(self.key, str) or not self.key:
             raise LayoutError(f"tensor key {self.key!r:.80} must be a non-empty string")
-        if len(self.key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        if len(self.key) * 4 > MAX_KEY_BYTES and (
+            len(self.key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES
+        ):
             raise LayoutError(f"tensor key {self.key[:60]!r}… is over {MAX_KEY_BYTES} bytes")
         if self.key == RESERVED_KEY:
             raise LayoutError(f"{RESERVED_KEY!r} is reserved by safetensors; rename the key")
@@ -103,16 +105,22 @@ class TensorSpec:
                 f"tensor {self.key!r}: offsets {list(self.offsets)} do not match shape "
                 f"{list(self.shape)}"
             )
-        if self.nbytes > MAX_TENSOR_BYTES:
-            raise LayoutError(f"tensor {self.key!r}: {self.nbytes} bytes is over the limit")
+        nbytes = self.nbytes
+        if nbytes > MAX_TENSOR_BYTES:
+            raise LayoutError(f"tensor {self.key!r}: {nbytes} bytes is over the limit")
 
 
 def _int_tuple(key: object, what: str, value: object) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in value
-    ):
-        raise LayoutError(f"tensor {key!r:.80}: {what} must be a list of non-negative ints")
-    return tuple(value)
+    if type(value) is list:
+        for v in value:  # a loop, not all(generator): a 10,000-tensor layout's hot path
+            if type(v) is not int or not 0 <= v < _INT_LIMIT:
+                break
+        else:
+            return tuple(value)
+    raise LayoutError(f"tensor {key!r:.80}: {what} must be a list of non-negative ints")
+
+
+_INT_LIMIT: Final = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,25 +128,37 @@ class Layout:
     """An ordered, validated set of tensor specs; equal layouts may share segments."""
 
     tensors: tuple[TensorSpec, ...]
-    #: Derived once: the daemon asks for the total and the key set on every commit.
+    #: Derived once (the daemon asks for them on every commit and in every gather): each
+    #: tensor's bytes, their total, the key set.
+    sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False, repr=False, compare=False)
     key_set: frozenset[str] = field(init=False, repr=False, compare=False)
     _packing: Packing | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", sum(spec.nbytes for spec in self.tensors))
+        sizes = tuple(spec.nbytes for spec in self.tensors)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "nbytes", sum(sizes))
         object.__setattr__(self, "key_set", frozenset(spec.key for spec in self.tensors))
 
     @classmethod
     def of(cls, specs: Iterable[TensorSpec]) -> Layout:
         checked = tuple(specs)
-        seen: set[str] = set()
         for spec in checked:
             spec.validate()
-            if spec.key in seen:
-                raise LayoutError(f"tensor key {spec.key!r} appears twice")
-            seen.add(spec.key)
-        return cls(checked)
+        return cls._unique(checked)
+
+    @classmethod
+    def _unique(cls, specs: tuple[TensorSpec, ...]) -> Layout:
+        """The layout of specs already validated one by one, if no key appears twice."""
+        layout = cls(specs)
+        if len(layout.key_set) != len(specs):
+            seen: set[str] = set()
+            for spec in specs:
+                if spec.key in seen:
+                    raise LayoutError(f"tensor key {spec.key!r} appears twice")
+                seen.add(spec.key)
+        return layout
 
     @classmethod
     def from_wire(cls, items: object, *, max_tensors: int) -> Layout:
@@ -148,7 +168,7 @@ class Layout:
             raise LayoutError(
                 f"{len(items)} tensors in one layout exceeds this daemon's limit of {max_tensors}"
             )
-        return cls.of(TensorSpec.from_wire(item) for item in items)
+        return cls._unique(tuple(TensorSpec.from_wire(item) for item in items))
 
     def to_wire(self) -> list[list[Any]]:
         return [spec.to_wire() for spec in self.tensors]
@@ -157,15 +177,15 @@ class Layout:
         """Byte ranges of each tensor in a data file: contiguous, in layout order."""
         ranges = []
         position = 0
-        for spec in self.tensors:
-            ranges.append((position, position + spec.nbytes))
-            position += spec.nbytes
+        for size in self.sizes:
+            ranges.append((position, position + size))
+            position += size
         return ranges
 
     def packing(self) -> Packing:
         """Which segment holds each tensor (see ``packing``); computed once."""
         if self._packing is None:
-            object.__setattr__(self, "_packing", Packing.of([spec.nbytes for spec in self.tensors]))
+            object.__setattr__(self, "_packing", Packing.of(self.sizes))
         assert self._packing is not None
         return self._packing
 
@@ -173,8 +193,7 @@ class Layout:
         """How ``segments`` staged segments hold this layout's tensors: packed, as the
         daemon stages them, or one each, as a daemon before packing did (a journal may
         still owe such a job); raises ValueError when neither."""
-        sizes = [spec.nbytes for spec in self.tensors]
-        return Packing.of_segments(sizes, segments, self.packing())
+        return Packing.of_segments(self.sizes, segments, self.packing())
 
     def keys(self) -> Sequence[str]:
         return [spec.key for spec in self.tensors]

@@ -52,8 +52,10 @@ def mapping_size(nbytes: int) -> int:
 
 #: Setting up less than this per thread costs more in thread overhead and kernel/driver
 #: locks than it saves: on the H200 host 10,000 segments of 128 KiB took 0.30 s to create
-#: and 0.56 s to register on 8 threads, against 0.13 s and 0.33 s on one.
-PARALLEL_MIN_BYTES: Final = 256 << 20
+#: and 0.56 s to register on 8 threads, against 0.13 s and 0.33 s on one (small segments
+#: now stay on one thread anyway: ``SMALL_SEGMENT_BYTES``). Large pieces are set up at
+#: about 2 GiB/s per thread on the H100 host, so a 1 GiB slot is pinned on 8 threads.
+PARALLEL_MIN_BYTES: Final = 128 << 20
 #: 16 threads did no better on the H100 host (16 cores) for 8 GiB in 500 segments.
 MAX_SETUP_THREADS: Final = 8
 #: Segments below this are made on one thread of their own: their cost is the name's

@@ -17,7 +17,7 @@ The core does not know what a tensor is: callers pass ``is_tensor``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 MAX_DEPTH: Final = 64
@@ -109,7 +109,9 @@ def tensor_keys(encoded: Any) -> list[str]:
 
 
 def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int = 0) -> Any:
-    """``unflatten`` when ``rebuild``, else only the checks and the ``tensor`` calls."""
+    """``unflatten`` when ``rebuild``, else only the checks and the ``tensor`` calls.
+
+    Plain loops, not generators: the daemon checks a 10,000-tensor tree on every commit."""
     if depth > MAX_DEPTH + 1:
         raise TreeError("structure nested deeper than the format allows")
     if node is None or isinstance(node, bool | int | str):
@@ -121,13 +123,19 @@ def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int =
         if tag == "f" and isinstance(value, str):
             return _float(value)
         if tag == "d" and isinstance(value, list):
-            pairs = ((_key(pair), _decode(pair[1], tensor, rebuild, depth + 1)) for pair in value)
-            return dict(pairs) if rebuild else _drain(pairs)
+            depth += 1
+            entries = {}
+            for pair in value:
+                child = _decode(_pair(pair), tensor, rebuild, depth)
+                if rebuild:
+                    entries[pair[0]] = child
+            return entries if rebuild else None
         if tag in ("l", "t") and isinstance(value, list):
-            items = (_decode(item, tensor, rebuild, depth + 1) for item in value)
+            depth += 1
+            items = [_decode(item, tensor, rebuild, depth) for item in value]
             if not rebuild:
-                return _drain(items)
-            return list(items) if tag == "l" else tuple(items)
+                return None
+            return items if tag == "l" else tuple(items)
     raise TreeError(f"malformed structure node {node!r:.80}")
 
 
@@ -175,12 +183,8 @@ def _float(text: str) -> float:
         raise TreeError(f"malformed float tag {text!r:.40}: {exc}") from None
 
 
-def _drain(items: Iterable[Any]) -> None:
-    for _ in items:
-        pass
-
-
-def _key(pair: Any) -> str | int:
+def _pair(pair: Any) -> Any:
+    """A dict entry's value, once the entry is a [str or int key, value] pair."""
     if (
         not isinstance(pair, list)
         or len(pair) != 2
@@ -188,7 +192,7 @@ def _key(pair: Any) -> str | int:
         or isinstance(pair[0], bool)
     ):
         raise TreeError(f"malformed dict entry {pair!r:.80}")
-    return pair[0]
+    return pair[1]
 
 
 def _show(path: Sequence[Any]) -> str:

@@ -144,15 +144,26 @@ class MappedLayout:
                 self._mapped = 0
 
     def _typed_views(self, region: segment.Region) -> list[torch.Tensor]:
-        """Every tensor's view in a slot's mapped range: one tensor over the range, sliced
-        per tensor at its segment's place (10,000 frombuffers cost 0.1 s)."""
-        whole = _bytes(region.buffer(), region.size)
-        return [
-            _typed_view(whole, region.offsets[which] + offset, spec.nbytes, spec.dtype, spec.shape)
-            for spec, (which, offset) in zip(
-                self.layout.tensors, self.layout.packing().places, strict=True
-            )
-        ]
+        """Every tensor's view in a slot's mapped range: the range viewed once per dtype,
+        then one ``as_strided`` per tensor at its segment's place plus its place in a pack
+        (aligned for any dtype). 10,000 frombuffers cost 0.1 s; 10,000 slices, each viewed
+        as its dtype and then its shape, 71 ms on the build host; this, 22 ms."""
+        whole = _bytes(region.buffer(), region.size)  # a whole number of pages
+        bases: dict[torch.dtype, torch.Tensor] = {}
+        views = []
+        for spec, (which, offset) in zip(
+            self.layout.tensors, self.layout.packing().places, strict=True
+        ):
+            dtype = FROM_SAFETENSORS[spec.dtype]
+            if spec.nbytes == 0:
+                views.append(torch.empty(spec.shape, dtype=dtype))
+                continue
+            base = bases.get(dtype)
+            if base is None:
+                base = bases[dtype] = whole.view(dtype)
+            start = (region.offsets[which] + offset) // dtype.itemsize
+            views.append(base.as_strided(spec.shape, _contiguous_strides(spec.shape), start))
+        return views
 
     def complete(self) -> MappedLayout:
         """Check every segment announced arrived."""
@@ -242,15 +253,13 @@ def _bytes(buffer: ctypes.Array[ctypes.c_char], nbytes: int) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
 
-def _typed_view(
-    whole: torch.Tensor | None, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
-) -> torch.Tensor:
-    """A tensor's view at ``offset`` (its segment's place, plus its place in a pack: aligned
-    for any dtype) in its slot's bytes ``whole``."""
-    torch_dtype = FROM_SAFETENSORS[dtype]
-    if nbytes == 0 or whole is None:
-        return torch.empty(shape, dtype=torch_dtype)
-    return whole[offset : offset + nbytes].view(torch_dtype).view(shape)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def device_groups(devices: Sequence[torch.device]) -> dict[torch.device, list[int]]:

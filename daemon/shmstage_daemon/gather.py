@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 import crc32c
@@ -93,32 +93,65 @@ class Gatherer:
         #: File offset of the next byte gathered.
         self.position = position
         self._chunk: Chunk | None = None
-        #: The segment read last and its descriptor, kept for the next tensor packed in it.
+        #: The segment read last and its descriptor, kept for the next run packed in it.
         self._open: tuple[SegmentRef, int] | None = None
 
     def add_bytes(self, data: bytes, what: str) -> None:
         """Gather bytes the daemon holds (the header)."""
         source = memoryview(data)
+        done = 0
+        while done < len(data):
+            chunk = self._room()
+            start = chunk.length
+            size = min(len(data) - done, chunk.room)
+            piece = source[done : done + size]
+            chunk.view[start : start + size] = piece
+            chunk.checks.append(Check(start, start + size, 0, crc32c.crc32c(piece), what))
+            chunk.length += size
+            done += size
+            self.position += size
 
-        def copy(target: memoryview, at: int) -> None:
-            target[:] = source[at : at + len(target)]
-
-        self._pack(copy, len(data), what, tensor=False)
-
-    def add_segment(self, ref: SegmentRef, nbytes: int, what: str, at: int = 0) -> int:
-        """Gather ``nbytes`` of a tensor from its segment, from byte ``at`` on; returns
-        their CRC-32C."""
-        if nbytes == 0:
-            return 0
+    def add_run(self, ref: SegmentRef, at: int, parts: Sequence[tuple[int, str]]) -> list[int]:
+        """Gather ``parts`` — (bytes, what) of tensors, or of pieces of them, that follow
+        each other in segment ``ref`` from byte ``at`` on as they do in the file — with one
+        read per piece for all of them; returns each part's CRC-32C."""
+        left = sum(nbytes for nbytes, _ in parts)  # of the run, still to read
+        if not left:
+            return [0] * len(parts)
         if self._open is None or self._open[0] is not ref:
             self.close()
             self._open = (ref, open_segment(ref))
         fd = self._open[1]
-
-        def read(target: memoryview, done: int) -> None:
-            _read_exactly(fd, target, at + done, ref)
-
-        return self._pack(read, nbytes, what, tensor=True)
+        checksums: list[int] = []
+        chunk: Chunk | None = None
+        target = memoryview(b"")
+        start = read = 0  # where the piece read last is in its chunk, and its bytes used
+        try:
+            for nbytes, what in parts:
+                crc = done = 0
+                while done < nbytes:
+                    if read == len(target):  # the piece is used up: read the next one
+                        target.release()
+                        chunk = self._room()
+                        start, read = chunk.length, 0
+                        size = min(left, chunk.room, PIECE_BYTES)
+                        target = chunk.view[start : start + size]
+                        _read_exactly(fd, target, at, ref)
+                        chunk.length += size
+                        chunk.data_bytes += size
+                        self.position += size
+                        at += size
+                        left -= size
+                    assert chunk is not None
+                    take = min(nbytes - done, len(target) - read)
+                    seed, crc = crc, crc32c.crc32c(target[read : read + take], crc)
+                    chunk.checks.append(Check(start + read, start + read + take, seed, crc, what))
+                    read += take
+                    done += take
+                checksums.append(crc)
+        finally:
+            target.release()
+        return checksums
 
     def close(self) -> None:
         """Close the segment kept open (its tensors are gathered, or the job failed)."""
@@ -147,28 +180,6 @@ class Gatherer:
         if drain:
             self.writes.drain()
         return self.position
-
-    def _pack(
-        self, read: Callable[[memoryview, int], None], nbytes: int, what: str, *, tensor: bool
-    ) -> int:
-        crc = done = 0
-        while done < nbytes:
-            chunk = self._room()
-            start = chunk.length
-            size = min(nbytes - done, chunk.room, PIECE_BYTES)
-            target = chunk.view[start : start + size]
-            try:
-                read(target, done)
-                seed, crc = crc, crc32c.crc32c(target, crc)  # a piece: no chunking wrapper
-            finally:
-                target.release()
-            chunk.checks.append(Check(start, start + size, seed, crc, what))
-            chunk.length += size
-            if tensor:
-                chunk.data_bytes += size
-            done += size
-            self.position += size
-        return crc
 
     def _room(self) -> Chunk:
         """The chunk to gather into: the current one, or a new one once it is full."""
@@ -225,16 +236,16 @@ def whole_file(
         checksums = in_regions(writes, header, layout, refs, starts)
         writes.drain()
         return checksums
-    checksums = []
-    places = layout.packing_for(len(refs)).places
+    plan = [(index, 0, size) for index, size in enumerate(layout.sizes)]
     with Gatherer(writes) as data:
         data.add_bytes(header, "the safetensors header")
-        for index, (spec, (which, at)) in enumerate(zip(layout.tensors, places, strict=True)):
-            if index == 1 and faults.armed("mid-stream"):
-                data.write_through()  # "mid-stream" means the first tensor is in the file
-                faults.pause("mid-stream")
-            what = f"tensor {spec.key!r}"
-            checksums.append(data.add_segment(refs[which], spec.nbytes, what, at))
+        if faults.armed("mid-stream") and len(plan) > 1:
+            checksums = _gather_plan(data, layout, refs, plan[:1])
+            data.write_through()  # "mid-stream" means the first tensor is in the file
+            faults.pause("mid-stream")
+            checksums += _gather_plan(data, layout, refs, plan[1:])
+        else:
+            checksums = _gather_plan(data, layout, refs, plan)
         data.finish()
     return checksums
 
@@ -251,16 +262,15 @@ def in_regions(
     fails the job's writes, so the others stop at their next chunk, and is raised once
     all have stopped. Does not wait for the writes (the caller drains)."""
     ends = [*starts[1:], len(header) + layout.nbytes]
-    places = layout.packing_for(len(refs)).places
-    plans: list[list[tuple[int, int, int]]] = [[] for _ in starts]  # (tensor, at, nbytes)
+    plans: list[list[Part]] = [[] for _ in starts]
     offset = len(header)
-    for index, spec in enumerate(layout.tensors):
+    for index, size in enumerate(layout.sizes):
         for region, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
-            begin, end = max(lo, offset), min(hi, offset + spec.nbytes)
+            begin, end = max(lo, offset), min(hi, offset + size)
             if begin < end:
                 plans[region].append((index, begin - offset, end - begin))
-        offset += spec.nbytes
-    parts: list[list[tuple[int, int, int, int]]] = [[] for _ in starts]
+        offset += size
+    checksums: list[list[int]] = [[] for _ in starts]
     errors: list[BaseException | None] = [None] * len(starts)
 
     def gather(region: int) -> None:
@@ -268,11 +278,7 @@ def in_regions(
             with Gatherer(writes, starts[region]) as data:
                 if region == 0:
                     data.add_bytes(header, "the safetensors header")
-                for index, at, nbytes in plans[region]:
-                    what = f"tensor {layout.tensors[index].key!r}"
-                    which, offset = places[index]
-                    crc = data.add_segment(refs[which], nbytes, what, offset + at)
-                    parts[region].append((index, at, crc, nbytes))
+                checksums[region] = _gather_plan(data, layout, refs, plans[region])
                 data.finish(drain=False)
         except BaseException as exc:
             errors[region] = exc
@@ -290,7 +296,49 @@ def in_regions(
     failed = next((error for error in errors if error is not None), None)
     if failed is not None:
         raise failed
-    checksums = [0] * len(layout.tensors)
-    for index, at, crc, nbytes in sorted(part for region in parts for part in region):
-        checksums[index] = crc if at == 0 else combine(checksums[index], crc, nbytes)
+    whole = [0] * len(layout.tensors)
+    for plan, crcs in zip(plans, checksums, strict=True):
+        for (index, at, nbytes), crc in zip(plan, crcs, strict=True):
+            whole[index] = crc if at == 0 else combine(whole[index], crc, nbytes)
+    return whole
+
+
+#: Part of a tensor a region gathers: (tensor index, its first byte, bytes).
+Part = tuple[int, int, int]
+
+
+def _gather_plan(
+    data: Gatherer, layout: Layout, refs: Sequence[SegmentRef], plan: Sequence[Part]
+) -> list[int]:
+    """Gather the parts of ``plan``, in order, a run at a time; returns each one's CRC-32C."""
+    places = layout.packing_for(len(refs)).places
+    checksums: list[int] = []
+    for which, at, parts in runs(plan, places):
+        pieces = [(nbytes, f"tensor {layout.tensors[index].key!r}") for index, _, nbytes in parts]
+        checksums += data.add_run(refs[which], at, pieces)
     return checksums
+
+
+def runs(
+    plan: Sequence[Part], places: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, list[Part]]]:
+    """``plan``'s parts grouped into runs, each (segment, first byte there, parts): parts
+    that follow each other in a segment as they do in the file, which one read gathers.
+
+    Packed tensors are 64-byte aligned in their segment and back to back in the file, so a
+    run ends wherever a packed tensor's size is not a multiple of 64 (model tensors rarely
+    are: their dimensions are), and at every tensor of a segment of its own.
+    """
+    grouped: list[tuple[int, int, list[Part]]] = []
+    end = -1
+    for part in plan:
+        index, at, nbytes = part
+        which, offset = places[index]
+        source = offset + at
+        if grouped and (nbytes == 0 or (which == grouped[-1][0] and source == end)):
+            grouped[-1][2].append(part)
+        else:
+            grouped.append((which, source, [part]))
+        if nbytes:
+            end = source + nbytes
+    return grouped

@@ -374,7 +374,7 @@ def _write_data(job: PersistJob, step: Step, phases: WritePhases) -> tuple[int, 
     job.progress.phase = "writing"
     began = time.perf_counter()
     starts = [0]
-    sizes = [spec.nbytes for spec in job.layout.tensors]
+    sizes = job.layout.sizes
     if not faults.armed("mid-stream"):  # the hook's promise needs the file written in order
         starts = gather.regions(len(job.header), sizes, disk.chunk_bytes)
     try:

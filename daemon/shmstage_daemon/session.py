@@ -269,6 +269,7 @@ class Session:
     async def _op_register(self, frame: Frame) -> None:
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "shmstaged is shutting down")
+        began = time.perf_counter()
         layout = Layout.from_wire(
             frame.body["tensors"], max_tensors=self.store.limits.max_tensors_per_layout
         )
@@ -279,13 +280,14 @@ class Session:
         adopted = await self._adopt(layout, slots, planned)
         if adopted is not None:
             if self.open:
-                await self._registered(frame, *adopted, batch=batch)
+                await self._registered(frame, *adopted, batch=batch, began=began)
             return
         # room for every planned slot: the limits are checked for all of them now
         await self.daemon.retention.make_room(
             self.store.registration_bytes(layout, max(slots, planned))
         )
         nbytes = self.store.reserve(self.id, layout, slots, planned)
+        making = time.perf_counter()
         try:
             refs = await self._make_slots(layout, slots, nbytes)
         except BaseException:
@@ -296,19 +298,33 @@ class Session:
         if not self.open:  # the client left while segments were being made
             self.daemon.release(staged)
             return
-        await self._registered(frame, staged, batch=batch)
+        made = time.perf_counter() - making
+        await self._registered(frame, staged, batch=batch, began=began, made=made)
 
     async def _registered(
-        self, frame: Frame, staged: StagedLayout, adopted: int = 0, *, batch: int
+        self,
+        frame: Frame,
+        staged: StagedLayout,
+        adopted: int = 0,
+        *,
+        batch: int,
+        began: float,
+        made: float = 0.0,
     ) -> None:
-        """Answer a registration: the layout, then every slot's segments, writable."""
+        """Answer a registration: the layout, then every slot's segments, writable. The log
+        line says how long the client waited for the answer, and what of that was making
+        segments (the rest: reading and checking the layout, making room)."""
         log.info(
-            "%s registered layout %d: %d tensors x %d slot(s), %d bytes%s",
+            "%s registered layout %d: %d tensors x %d slot(s) in %d segments, %d bytes, "
+            "in %.3f s (making segments %.3f s)%s",
             self.describe(),
             staged.id,
             len(staged.layout.tensors),
             len(staged.slots),
+            staged.segment_count,
             staged.bytes_reserved,
+            time.perf_counter() - began,
+            made,
             f" ({adopted} segments adopted from a retained layout)" if adopted else "",
         )
         flat = [ref for slot in staged.slots for ref in slot.segments]

@@ -23,6 +23,29 @@ def test_header_is_aligned_padded_and_parseable() -> None:
     assert json.loads(header[8:])["a"]["data_offsets"] == [0, 12]
 
 
+def test_the_header_is_the_json_of_its_entries_whatever_the_keys_hold() -> None:
+    """Written entry by entry, the JSON is exactly what ``json.dumps`` makes of the
+    header's dict: quotes, backslashes, control characters and non-ASCII keys included."""
+    specs = [
+        TensorSpec("plain", "F32", (3,)),
+        TensorSpec('quo"te', "BF16", (2, 5)),
+        TensorSpec("back\\slash", "U8", (0,)),
+        TensorSpec("tab\tnew\nline\x01", "I64", ()),
+        TensorSpec("ünï-çødé ☃", "F16", (1, 1, 4)),
+        TensorSpec("emoji 🤖", "BOOL", (7,)),
+    ]
+    layout = Layout.of(specs)
+    entries, position = {}, 0
+    for spec in specs:
+        where = [position, position + spec.nbytes]
+        entries[spec.key] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": where}
+        position += spec.nbytes
+    metadata = {"format": "pt", 'wé"ird': "va\\lue"}
+    for meta, header in ((metadata, {"__metadata__": metadata} | entries), (None, entries)):
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        assert datafile.build_header(layout, meta)[8:].rstrip(b" ") == text
+
+
 def test_real_safetensors_reads_our_file(tmp_path) -> None:
     safetensors = pytest.importorskip("safetensors")
     layout = Layout.of([TensorSpec("a", "U8", (3,)), TensorSpec("e", "U8", (0,))])
