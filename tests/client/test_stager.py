@@ -75,7 +75,10 @@ def test_model_and_optimizer_round_trip_bit_exact(daemon, ckpt: Path) -> None:
         assert len(list(f.keys())) == len(manifest["tensors"])
 
 
-def test_every_safetensors_dtype_and_awkward_tensors(daemon, ckpt: Path) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["one-segment-each", "packed"])
+def test_every_safetensors_dtype_and_awkward_tensors(daemon, ckpt: Path, packed: bool) -> None:
+    """Packed: 300 more small tensors of odd lengths make the layout pack its small tensors
+    into shared segments, so every dtype's view starts at its place in a pack."""
     base = torch.arange(64, dtype=torch.float32)
     state: dict[str, torch.Tensor] = {}
     for dtype in TO_SAFETENSORS:
@@ -95,6 +98,8 @@ def test_every_safetensors_dtype_and_awkward_tensors(daemon, ckpt: Path) -> None
         "empty": torch.empty(0, 4),
         "conj": torch.randn(3, dtype=torch.complex64).conj(),
     }
+    if packed:
+        state |= {f"pad.{i}": torch.arange(i % 7 + 1, dtype=torch.int16) for i in range(300)}
     expected = clone(state)
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "dtypes").wait(60)

@@ -53,6 +53,8 @@ def test_wire_round_trip_and_data_offsets_are_contiguous() -> None:
         (["w", "F32"], "not [key, dtype, shape, offsets]"),
         ("w", "not [key, dtype, shape, offsets]"),
         (["w", "F32", [1 << 30, 1 << 30], None], "over the limit"),
+        (["k" * 1025, "F32", [2], None], "over 1024 bytes"),
+        (["ü" * 513, "F32", [2], None], "over 1024 bytes"),  # 513 characters, 1026 bytes
     ],
 )
 def test_bad_specs_are_refused_naming_the_tensor(item: object, message: str) -> None:
@@ -64,6 +66,10 @@ def test_bad_specs_are_refused_naming_the_tensor(item: object, message: str) -> 
 def test_duplicate_keys_and_too_many_tensors_are_refused() -> None:
     with pytest.raises(LayoutError, match="twice"):
         Layout.of([spec(), spec()])
+    with pytest.raises(LayoutError, match="'b' appears twice"):
+        Layout.from_wire(
+            [spec().to_wire(), spec("b").to_wire(), spec("b").to_wire()], max_tensors=10
+        )
     with pytest.raises(LayoutError, match="limit of 1"):
         Layout.from_wire([spec().to_wire(), spec("b").to_wire()], max_tensors=1)
 

@@ -154,6 +154,55 @@ def test_tensors_packed_into_shared_segments_are_gathered_from_their_places(
     assert_written_exactly(tmp_path / "c", tensors)
 
 
+def test_tensors_back_to_back_in_a_pack_are_read_together(
+    tmp_path: Path,
+    instance_id: str,
+    small_chunks: scheduler.WriteScheduler,
+    monkeypatch: pytest.MonkeyPatch,
+    gathering: str,
+) -> None:
+    """Model tensors' sizes are multiples of 64 bytes, so packed ones follow each other in
+    their segment as they do in the file: a run of them is read a piece at a time (a spy
+    counts the real reads), not tensor by tensor, and each still gets its own checksum.
+    Empty tensors and a large one between them do not get in the way."""
+    reads: list[int] = []
+    real = gather._read_exactly
+
+    def counting(fd: int, target: memoryview, offset: int, ref: segment.SegmentRef) -> None:
+        reads.append(len(target))
+        real(fd, target, offset, ref)
+
+    monkeypatch.setattr(gather, "_read_exactly", counting)
+    rng = random.Random(5)
+    sizes = [64 * rng.randrange(1, 40) for _ in range(900)]
+    sizes[5] = sizes[6] = sizes[400] = 0
+    sizes[300] = packing.PACK_BELOW + 64
+    tensors = tensors_of(sizes)
+    persist = staged_job(tmp_path / "c", instance_id, tensors, packed=True)
+    result = job.run(persist)
+    assert result.ok, result.message
+    assert sum(reads) == sum(sizes)
+    pieces = -(-(len(persist.header) + sum(sizes)) // CHUNK)
+    assert len(reads) <= pieces + 4 * len(persist.segments) + 4 < len(sizes) // 10
+    assert_written_exactly(tmp_path / "c", tensors)
+
+
+def test_runs_are_parts_that_follow_each_other_in_one_segment() -> None:
+    """A run ends where the next part is in another segment, or not right after the last
+    byte read (a packed tensor whose size is not a multiple of the pack's alignment); an
+    empty part never breaks one; a part of a tensor cut by a region starts inside it."""
+    places = [(0, 0), (0, 64), (0, 192), (0, 192), (0, 320), (1, 0), (0, 384)]
+    plan = [(0, 0, 64), (1, 0, 128), (2, 0, 0), (3, 0, 100), (4, 0, 64), (5, 0, 10), (6, 8, 56)]
+    assert gather.runs(plan, places) == [
+        (0, 0, [(0, 0, 64), (1, 0, 128), (2, 0, 0), (3, 0, 100)]),
+        (0, 320, [(4, 0, 64)]),
+        (1, 0, [(5, 0, 10)]),
+        (0, 392, [(6, 8, 56)]),
+    ]
+    assert gather.runs([(2, 0, 0)], places) == [(0, 192, [(2, 0, 0)])]
+    assert gather.runs([], places) == []
+
+
 def test_a_packed_segment_is_opened_once_for_its_tensors_and_closed_after(
     tmp_path: Path,
     instance_id: str,
