@@ -309,14 +309,14 @@ class Session:
         *,
         batch: int,
         began: float,
-        made: float = 0.0,
+        made: float | None = None,
     ) -> None:
         """Answer a registration: the layout, then every slot's segments, writable. The log
-        line says how long the client waited for the answer, and what of that was making
-        segments (the rest: reading and checking the layout, making room)."""
+        line says how long the client waited for the answer, and (``made``) what of that was
+        making segments (the rest: reading and checking the layout, making room)."""
         log.info(
             "%s registered layout %d: %d tensors x %d slot(s) in %d segments, %d bytes, "
-            "in %.3f s (making segments %.3f s)%s",
+            "in %.3f s%s%s",
             self.describe(),
             staged.id,
             len(staged.layout.tensors),
@@ -324,7 +324,7 @@ class Session:
             staged.segment_count,
             staged.bytes_reserved,
             time.perf_counter() - began,
-            made,
+            "" if made is None else f" (making segments {made:.3f} s)",
             f" ({adopted} segments adopted from a retained layout)" if adopted else "",
         )
         flat = [ref for slot in staged.slots for ref in slot.segments]

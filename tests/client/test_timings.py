@@ -3,6 +3,7 @@ its parts — on the handle, the result, the progress events, the daemon's log a
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from harness import start_daemon
 from shmstage_client import SaveEvent, Stager
 from shmstage_client.handle import WRITE_PHASES, _write_phases
 
-from shmstage import segment
+from shmstage import packing, segment
 from shmstage.control import ControlClient
 
 PARTS = ("prepare", "setup", "slot_wait", "copy", "commit")
@@ -118,6 +119,26 @@ def test_a_result_splits_the_daemons_persist_time(daemon, ckpt: Path) -> None:
     assert (
         f"gather {result.gather_seconds:.3f} s, disk wait {result.disk_wait_seconds:.3f} s" in line
     )
+
+
+def test_the_daemon_logs_what_a_registration_cost(daemon, ckpt: Path) -> None:
+    """Per registration: its segments, how long the client waited for the answer, and what
+    of that went into making the segments (an operator's view of a first save's daemon
+    part) — within the client's own setup time."""
+    state = {f"w{i}": torch.ones(64 + i) for i in range(300)}  # packed: one shared segment
+    with Stager(daemon.socket) as stager:
+        handle = stager.save(state, ckpt / "c")
+        handle.wait(60)
+    line = next(line for line in daemon.log().splitlines() if "registered layout" in line)
+    found = re.search(
+        r"300 tensors x 1 slot\(s\) in (\d+) segments, \d+ bytes, "
+        r"in ([\d.]+) s \(making segments ([\d.]+) s\)",
+        line,
+    )
+    assert found is not None, line
+    segments, answered, making = int(found[1]), float(found[2]), float(found[3])
+    assert segments == len(packing.Packing.of([4 * (64 + i) for i in range(300)])) == 1
+    assert 0 <= making <= answered <= handle.timings.setup_seconds + 0.001
 
 
 def test_write_phases_from_the_daemon_are_taken_only_when_plausible() -> None:
