@@ -37,14 +37,12 @@ def build_header(layout: Layout, metadata: Mapping[str, str] | None = None) -> b
     if metadata:
         strings = {str(k): str(v) for k, v in metadata.items()}
         parts.append(_string(RESERVED_KEY) + ":" + json.dumps(strings, **_COMPACT))
-    position = 0
-    for spec, size in zip(layout.tensors, layout.sizes, strict=True):
+    for spec, (begin, end) in zip(layout.tensors, layout.data_offsets(), strict=True):
         shape = ",".join(map(str, spec.shape))
         parts.append(
             f'{_string(spec.key)}:{{"dtype":"{spec.dtype}","shape":[{shape}],'
-            f'"data_offsets":[{position},{position + size}]}}'
+            f'"data_offsets":[{begin},{end}]}}'
         )
-        position += size
     text = ("{" + ",".join(parts) + "}").encode("utf-8")
     padded = -(-(len(text) + _U64.size) // DATA_ALIGNMENT) * DATA_ALIGNMENT - _U64.size
     return _U64.pack(padded) + text + b" " * (padded - len(text))

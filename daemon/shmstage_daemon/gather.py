@@ -271,13 +271,12 @@ def in_regions(
     all have stopped. Does not wait for the writes (the caller drains)."""
     ends = [*starts[1:], len(header) + layout.nbytes]
     plans: list[list[Part]] = [[] for _ in starts]
-    offset = len(header)
-    for index, size in enumerate(layout.sizes):
+    for index, (first, last) in enumerate(layout.data_offsets()):
+        offset = len(header) + first  # of the tensor in the file
         for region, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
-            begin, end = max(lo, offset), min(hi, offset + size)
+            begin, end = max(lo, offset), min(hi, len(header) + last)
             if begin < end:
                 plans[region].append((index, begin - offset, end - begin))
-        offset += size
     checksums: list[list[int]] = [[] for _ in starts]
     errors: list[BaseException | None] = [None] * len(starts)
 
