@@ -8,9 +8,10 @@ that restores it twice â€” *fresh* (the first restore) and *warm* (the second) â
 the raw pinned host-to-device copy measured in the same run. Medians of ``--rounds``.
 
 Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
-``cudaHostAlloc`` memory, as when registering is refused); ``threads=N``; ``chunk=MiB``;
-``no-verify``; ``parts`` also prints the thread-seconds spent allocating staging, reading
-and checksumming (summed over the threads).
+``cudaHostAlloc`` memory, as when registering is refused); ``small-pages`` (staging in
+4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``no-verify``;
+``parts`` also prints the thread-seconds spent allocating staging, reading and
+checksumming (summed over the threads).
 
     python3 scripts/restart_read_bench.py --size 8GiB --tensors 500 \\
         --variants default,torch-pinned,default+parts
@@ -115,6 +116,8 @@ def child(spec_path: Path, variant: str) -> int:
             reading.MAX_THREADS = int(value)  # type: ignore[misc]
         elif key == "chunk":
             reading.CHUNK = int(value) << 20  # type: ignore[misc]
+        elif key == "small-pages":
+            reading.HUGE_STAGING = False  # type: ignore[misc]
         elif key == "no-verify":
             verify = False
         elif key == "parts":

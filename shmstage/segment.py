@@ -191,28 +191,6 @@ _MAP_FIXED: Final = getattr(mmap, "MAP_FIXED", 0x10)
 _MAP_NORESERVE: Final = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
-def map_populated(size: int) -> int:
-    """``size`` bytes of private anonymous memory, every page faulted in (MAP_POPULATE);
-    returns the address, for ``unmap``.
-
-    Through libc, not ``mmap.mmap``: CPython holds the GIL while ``mmap(2)`` faults the
-    pages in (on a 2-core build host, another thread's Python ran at 23 % of its speed
-    meanwhile), which made a restore's staging buffers, made on a thread of their own,
-    hold up the restore itself. ctypes releases the GIL for the call.
-    """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    if address in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise SegmentError(err, f"cannot map {size} bytes of memory: {os.strerror(err)}")
-    return int(address)
-
-
-def unmap(address: int, size: int) -> None:
-    """Undo ``map_populated``."""
-    _libc.munmap(address, size)
-
-
 class Region:
     """Segments mapped back to back, each at the next page boundary of one address range.
 

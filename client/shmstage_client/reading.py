@@ -41,7 +41,7 @@ from typing import Final
 import crc32c
 import torch
 
-from shmstage import segment
+from shmstage import hostmemory
 from shmstage.checkpoint import ChecksumError
 from shmstage.checksums import combine
 from shmstage_client.pinning import PIN_FAILURES, register_range, unregister
@@ -57,6 +57,9 @@ MAX_THREADS: Final = 16
 #: and for how long when no restore takes them.
 MAX_SPARES: Final = MAX_THREADS + 2
 KEEP_STAGING_S: Final = 60.0
+#: Staging buffers in transparent huge pages where the kernel has them free (a module
+#: setting so that a bench can compare; see ``shmstage.hostmemory``).
+HUGE_STAGING = True
 
 
 @dataclass(frozen=True)
@@ -183,17 +186,17 @@ def _as_tensor(view: memoryview) -> torch.Tensor:
 class _HostBuffer:
     """``size`` bytes of host memory a device copies from at full speed.
 
-    Anonymous memory faulted in by the kernel (``MAP_POPULATE``) and then registered with
-    CUDA, rather than ``cudaHostAlloc``'s (torch's ``pin_memory``): on the H100 host a
-    fresh process paid ~0.5 s/GiB for the latter, which made the staging buffers' pinning
-    the largest part of a restarted trainer's restore. Where registering fails, torch's
-    pinned memory instead. Not in transparent huge pages: with the kernel's usual
-    ``defrag=madvise`` the allocation may compact memory first, and 18 such buffers took
-    1.4 s instead of 0.27 s on a build host.
+    Anonymous memory faulted in up front (``shmstage.hostmemory``: in transparent huge
+    pages while the kernel has them free, never compacting memory for them) and then
+    registered with CUDA, rather than ``cudaHostAlloc``'s (torch's ``pin_memory``): on the
+    H100 host a fresh process paid ~0.5 s/GiB for the latter, which made the staging
+    buffers' pinning the largest part of a restarted trainer's restore. Where registering
+    fails, torch's pinned memory instead.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.huge = HUGE_STAGING and hostmemory.huge_pages_to_spare(size)
         self._bases: list[int] = []
         self._mapped = 0
         self._tensor: torch.Tensor | None = None
@@ -205,7 +208,7 @@ class _HostBuffer:
             self.address = self._tensor.data_ptr()
 
     def _register(self) -> int:
-        self._mapped = segment.map_populated(self.size)  # the GIL free meanwhile
+        self._mapped = hostmemory.map_populated(self.size, huge=self.huge)  # GIL free
         register_range(self._mapped, self.size, 0, self._bases)
         return self._mapped
 
@@ -220,7 +223,7 @@ class _HostBuffer:
 
     def _free_map(self) -> None:
         if self._mapped:
-            segment.unmap(self._mapped, self.size)
+            hostmemory.unmap(self._mapped, self.size)
             self._mapped = 0
 
 

@@ -33,7 +33,7 @@ from shmstage.manifest import digest
 from shmstage.packing import Packing
 from shmstage_client import reading
 from shmstage_client.collection import collection_paused
-from shmstage_client.connection import DaemonConnection
+from shmstage_client.connection import DaemonConnection, expect_fds
 from shmstage_client.errors import SaveError
 from shmstage_client.lease import MemoryLease
 from shmstage_client.loading import CheckpointFiles, torch_dtype, unflatten
@@ -44,6 +44,9 @@ log = logging.getLogger("shmstage.client")
 SOURCES: Final = ("auto", "memory", "files")
 #: A daemon that does not answer this fast is not worth waiting for: the files are there.
 CONNECT_TIMEOUT: Final = 2.0
+#: Segments a lease is expected to bring at most: the descriptor table is grown for them
+#: (16 KiB) before they come (``connect``); a slot of more grows it again as they arrive.
+LEASE_SEGMENTS: Final = 1024
 
 
 @dataclass
@@ -200,6 +203,9 @@ def check_source(source: str) -> None:
 
 
 def connect(socket: str | os.PathLike[str] | None) -> DaemonConnection:
+    """A connection for leasing checkpoints; the descriptor table starts growing for the
+    lease's segments now, while this connects and the daemon answers (``expect_fds``)."""
+    expect_fds(LEASE_SEGMENTS)
     return DaemonConnection(
         socket, connect_timeout=CONNECT_TIMEOUT, client_name=f"shmstage-restore pid {os.getpid()}"
     )
