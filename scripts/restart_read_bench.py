@@ -9,9 +9,10 @@ the raw pinned host-to-device copy measured in the same run. Medians of ``--roun
 
 Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
 ``cudaHostAlloc`` memory, as when registering is refused); ``small-pages`` (staging in
-4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``no-verify``;
-``parts`` also prints the thread-seconds spent allocating staging, reading and
-checksumming (summed over the threads).
+4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``switch=S``
+(``sys.setswitchinterval(S)``: how much the readers' threads wait for the GIL);
+``no-verify``; ``parts`` also prints the thread-seconds spent allocating staging,
+reading and checksumming (summed over the threads).
 
     python3 scripts/restart_read_bench.py --size 8GiB --tensors 500 \\
         --variants default,torch-pinned,default+parts
@@ -118,6 +119,8 @@ def child(spec_path: Path, variant: str) -> int:
             reading.CHUNK = int(value) << 20  # type: ignore[misc]
         elif key == "small-pages":
             reading.HUGE_STAGING = False  # type: ignore[misc]
+        elif key == "switch":  # the interpreter's GIL switch interval, in seconds
+            sys.setswitchinterval(float(value))
         elif key == "no-verify":
             verify = False
         elif key == "parts":
