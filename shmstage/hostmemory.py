@@ -5,9 +5,10 @@ client's ``reading``). A restarted trainer is a new process and makes them first
 H100 host faulting in 32 MiB of 4 KiB pages took 7-11 ms, most of the time it took to
 make a buffer (registering it with CUDA took 2 ms), and the driver serialises the rest,
 so the 18 buffers of a restore were all there only after 0.28-0.39 s while the restore
-itself takes about as long. In transparent huge pages the kernel faults in, zeroes and
-pins a buffer 2 MiB at a time: on a build host 18 buffers of 32 MiB were faulted in in
-81-86 ms instead of 155-192 ms.
+itself takes about as long. In transparent huge pages the kernel faults in and zeroes a
+buffer 2 MiB at a time: 18 buffers of 32 MiB, registered, took 89-94 ms instead of
+151-186 ms on an H200 host, and a restarted trainer's restore of 8 GiB 0.32-0.35 s
+instead of 0.38-0.39 s (alternating on one VM; ``docs/perf/restart-tried.txt``).
 
 Huge pages are taken only when the kernel's page allocator has them free (``/proc/
 buddyinfo``) with ``HUGE_RESERVE`` to spare: with the usual ``defrag=madvise`` a huge-page
