@@ -9,11 +9,10 @@ four times on the way to 1,024 entries: 39-48 ms on the H100 host (28-34 ms on a
 build host), where one growth straight to that size took 6-8 ms (12 ms) and the 600
 descriptors then went in in 0.2 ms. The daemon
 reserves its table at start, while it is still single-threaded and growing costs no grace
-period at all. A restore grows the client's on a thread of its own (``reserve_soon``)
-while it connects and the daemon prepares its answer: in a restarted trainer's
-``latest()`` the lease otherwise waited for two growths (to 1,024 entries for the
-batches, then 2,048 for the descriptors it keeps), 12-48 ms on an H200 host, against 3 ms
-for the same lease in a process that had grown its table before.
+period at all. Before a lease the client grows its table once for the batches and the
+descriptors it keeps together: a restarted trainer's ``latest()`` otherwise grew it twice
+(to 1,024 entries, then 2,048). A growth also holds up every descriptor the process opens
+meanwhile (its socket, the next batch), so a thread of its own would hide nothing.
 
 Tables never shrink, so a reservation is paid once per process. ``FDSize`` in
 ``/proc/self/status`` says how large the table is; growing it is a copy of a descriptor
@@ -26,7 +25,6 @@ import contextlib
 import fcntl
 import os
 import resource
-import threading
 from typing import Final
 
 #: Never reserve more than this many entries (8 bytes each plus bitmaps): a layout of more
@@ -72,18 +70,6 @@ def reserve(count: int) -> int:
         return size
     finally:
         os.close(fd)
-
-
-def reserve_soon(count: int) -> threading.Thread:
-    """``reserve`` on a thread of its own, so that the grace period a multi-threaded
-    process waits for overlaps what this one does meanwhile (connecting to the daemon,
-    waiting for its answer). A descriptor installed while the table grows waits for the
-    growth and then finds room, so nothing needs to wait for the thread."""
-    thread = threading.Thread(
-        target=reserve, args=(count,), name="shmstage-descriptors", daemon=True
-    )
-    thread.start()
-    return thread
 
 
 _STATUS: Final = "/proc/self/status"

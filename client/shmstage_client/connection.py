@@ -103,15 +103,17 @@ def receivable_fds() -> int:
     return batch
 
 
-def expect_fds(count: int) -> threading.Thread | None:
-    """Start growing the descriptor table for ``count`` descriptors that will be kept
-    (a lease's segments) and the batches they arrive in, on a thread of its own (returned;
-    None where the limit leaves no room for them): call it before connecting, so that
-    ``receivable_fds`` and ``room_for_fds`` find the room made (``descriptors.reserve_soon``)."""
+def expect_fds(count: int) -> int:
+    """Grow the descriptor table for ``count`` descriptors that will be kept (a lease's
+    segments) and the batches they arrive in, in one step: call it before a lease, so that
+    ``receivable_fds`` and ``room_for_fds`` find the room made. Growing the table of a
+    multi-threaded process waits for an RCU grace period, and blocks every descriptor the
+    process opens meanwhile, so one growth instead of two is what there is to win.
+    Returns the table's size (unchanged where the limit leaves no room for them)."""
     soft, in_use = _descriptors()
     if count > (soft - in_use - FD_HEADROOM) // 2 - MAX_FDS_PER_FRAME:
-        return None
-    return descriptors.reserve_soon(in_use + count + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME)
+        return descriptors.table_size()
+    return descriptors.reserve(in_use + count + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME)
 
 
 def room_for_fds(count: int) -> bool:

@@ -203,8 +203,8 @@ def check_source(source: str) -> None:
 
 
 def connect(socket: str | os.PathLike[str] | None) -> DaemonConnection:
-    """A connection for leasing checkpoints; the descriptor table starts growing for the
-    lease's segments now, while this connects and the daemon answers (``expect_fds``)."""
+    """A connection for leasing checkpoints, the descriptor table grown for the lease's
+    segments first (``expect_fds``)."""
     expect_fds(LEASE_SEGMENTS)
     return DaemonConnection(
         socket, connect_timeout=CONNECT_TIMEOUT, client_name=f"shmstage-restore pid {os.getpid()}"
