@@ -31,6 +31,29 @@ def test_huge_pages_allowed_follows_the_kernels_setting() -> None:
     assert not hostmemory.huge_pages_allowed("")
 
 
+@pytest.mark.parametrize(
+    ("enabled", "free_blocks", "expected"),
+    [
+        ("always [madvise] never", 2000, True),
+        ("always madvise [never]", 2000, False),  # the kernel's setting says no
+        ("always [madvise] never", 520, False),  # 16 would leave less than the reserve
+        ("always [madvise] never", 0, False),
+    ],
+)
+def test_huge_pages_are_taken_only_when_allowed_and_free_with_some_to_spare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: str, free_blocks: int, expected: bool
+) -> None:
+    """A 32 MiB buffer is 16 huge pages: it takes them only if the kernel allows huge pages
+    and has them free beyond ``HUGE_RESERVE``, so that it never compacts memory for them."""
+    settings, buddyinfo = tmp_path / "enabled", tmp_path / "buddyinfo"
+    settings.write_text(enabled + "\n")
+    buddyinfo.write_text(f"Node 0, zone   Normal   3 2 1 0 0 0 0 0 0 {free_blocks} 0\n")
+    monkeypatch.setattr(hostmemory, "_THP_ENABLED", settings)
+    monkeypatch.setattr(hostmemory, "_BUDDYINFO", buddyinfo)
+    assert hostmemory.huge_pages_to_spare(32 << 20) is expected
+    assert not hostmemory.huge_pages_to_spare(1 << 20)  # less than one huge page
+
+
 @pytest.mark.parametrize("huge", [False, True])
 @pytest.mark.parametrize("size", [1, 4096, (4 << 20) + 123])
 def test_mapped_memory_is_zeroed_writable_and_given_back(huge: bool, size: int) -> None:
