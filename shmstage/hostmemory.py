@@ -16,9 +16,10 @@ fault that finds none free compacts memory first, which once made 18 such buffer
 1.4 s instead of 0.27 s on a build host whose memory was full of page cache. Otherwise,
 and wherever the kernel refuses, the memory is in 4 KiB pages as before.
 
-Everything goes through libc, not ``mmap.mmap``: CPython holds the GIL while ``mmap(2)``
-faults pages in (on a 2-core build host, another thread's Python ran at 23 % of its speed
-meanwhile), and a restore makes its buffers on a thread beside the one that reads.
+Mapping and faulting in go through libc (``shmstage.mapping``), which releases the GIL:
+``mmap.mmap`` holds it while the kernel faults pages in (on a 2-core build host, another
+thread's Python ran at 23 % of its speed meanwhile), and a restore makes its buffers on a
+thread beside the ones that read.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import os
 from pathlib import Path
 from typing import Final
 
+from shmstage.mapping import failed, libc
+
 HUGE_PAGE: Final = 2 << 20
 #: Free huge pages left to others when a buffer takes some: 1 GiB.
 HUGE_RESERVE: Final = 512
@@ -39,20 +42,6 @@ _MADV_HUGEPAGE: Final = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_WRITE: Final = 23  # Linux 5.14
 _BUDDYINFO: Final = Path("/proc/buddyinfo")
 _THP_ENABLED: Final = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class HostMemoryError(OSError):
@@ -107,11 +96,11 @@ def map_populated(size: int, *, huge: bool = False) -> int:
     base = _map(reserved, 0)
     address = -(-base // HUGE_PAGE) * HUGE_PAGE
     if address > base:  # keep exactly [address, address + length): unmap() frees it all
-        _libc.munmap(base, address - base)
+        libc.munmap(base, address - base)
     if base + reserved > address + length:
-        _libc.munmap(address + length, base + reserved - address - length)
-    _libc.madvise(address, length, _MADV_HUGEPAGE)  # a kernel without THP: plain pages
-    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) != 0:
+        libc.munmap(address + length, base + reserved - address - length)
+    libc.madvise(address, length, _MADV_HUGEPAGE)  # a kernel without THP: plain pages
+    if libc.madvise(address, length, _MADV_POPULATE_WRITE) != 0:
         if ctypes.get_errno() != errno.EINVAL:  # out of memory, say
             err = ctypes.get_errno()
             unmap(address, length)
@@ -122,13 +111,13 @@ def map_populated(size: int, *, huge: bool = False) -> int:
 
 def unmap(address: int, size: int) -> None:
     """Give back memory from ``map_populated``."""
-    _libc.munmap(address, size)
+    libc.munmap(address, size)
 
 
 def _map(length: int, extra_flags: int) -> int:
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | extra_flags
-    address = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    if address in (None, _MAP_FAILED):
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if failed(address):
         err = ctypes.get_errno()
         raise HostMemoryError(err, f"cannot map {length} bytes of memory: {os.strerror(err)}")
     return int(address)

@@ -22,6 +22,8 @@ from typing import Final
 
 import posix_ipc
 
+from shmstage.mapping import failed, libc
+
 NAME_PREFIX: Final = "shmstage."
 SHM_DIR: Final = "/dev/shm"
 _NAME = re.compile(r"^/shmstage\.([0-9a-f]{16})\.([0-9a-f]{24})$")
@@ -172,20 +174,6 @@ def open_fd(ref: SegmentRef, *, writable: bool) -> int:
     return shm.fd
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
 _PROT_NONE: Final = 0
 _MAP_FIXED: Final = getattr(mmap, "MAP_FIXED", 0x10)
 _MAP_NORESERVE: Final = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -213,8 +201,8 @@ class Region:
             position += -(-size // page) * page
         self.size = max(position, page)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        address = _libc.mmap(None, self.size, _PROT_NONE, flags, -1, 0)
-        if address in (None, _MAP_FAILED):
+        address = libc.mmap(None, self.size, _PROT_NONE, flags, -1, 0)
+        if failed(address):
             err = ctypes.get_errno()
             raise SegmentError(
                 err, f"cannot reserve {self.size} bytes of address space: {os.strerror(err)}"
@@ -231,8 +219,8 @@ class Region:
             raise SegmentError(errno.EINVAL, f"segment is {actual} bytes but {size} were expected")
         want = self.address + self.offsets[index]
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        got = _libc.mmap(want, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-        if got in (None, _MAP_FAILED) or got != want:
+        got = libc.mmap(want, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+        if failed(got) or got != want:
             err = ctypes.get_errno()
             raise SegmentError(err, f"cannot map a {size}-byte segment: {os.strerror(err)}")
 
@@ -245,7 +233,7 @@ class Region:
     def close(self) -> None:
         """Unmap every segment and the reservation. Views must never be touched again."""
         if self.address:
-            _libc.munmap(self.address, self.size)
+            libc.munmap(self.address, self.size)
             self.address = 0
 
 
