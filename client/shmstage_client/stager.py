@@ -480,6 +480,7 @@ class Stager:
             mapped = MappedLayout.receiving(reply.body["layout"], layout, reply.body["slots"])
             mapped.pin, mapped.target_slots = pin, target
             self._receive_segments(handle, mapped, reply.body["segments"])
+            mapped.mark_ready()
             if reply.body.get("adopted"):
                 log.info(
                     "layout %d: adopted %d segments the daemon retained (no new segment for them)",
@@ -560,19 +561,21 @@ class Stager:
                     exc,
                     "" if mapped.whole else " (the next save registers the layout again)",
                 )
+        finally:
+            mapped.mark_ready()  # after the prefault: saves may fill the new slots now
 
     def _make_ready(self, mapped: MappedLayout, slot: int) -> None:
         """The granted slot mapped (it may be one still arriving) and, before its first
         copy, pinned: registering blocks the process's CUDA calls, so it is done here,
         inside the measured stall, and never behind the trainer's back."""
-        if slot >= len(mapped.slots):
+        if slot >= mapped.ready:  # still arriving, or being faulted in (``ready``)
             mapped.settle(self.request_timeout)
-        if slot >= len(mapped.slots):
+        if slot >= mapped.ready:
             with contextlib.suppress(SaveError):
                 self._connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
             raise DaemonLost(
                 f"slot {slot} of layout {mapped.id} was granted but its segments did not "
-                f"arrive within {self.request_timeout} s"
+                f"arrive and get set up within {self.request_timeout} s"
             )
         mapped.pin_slot(slot)
 

@@ -55,6 +55,10 @@ class MappedLayout:
     groups: dict[torch.device, list[int]] = field(default_factory=dict)
     #: The slots whose every segment is mapped, in order.
     slots: list[list[torch.Tensor]] = field(default_factory=list)
+    #: How many of ``slots`` a copy may fill: a slot added in the background is mapped
+    #: before it is faulted in, and the prefault's read-modify-write of a byte per page
+    #: would put back what it read over a copy made meanwhile (``mark_ready``).
+    ready: int = 0
     #: Whether slots are registered with CUDA before their first copy.
     pin: bool = False
     #: Registered ranges, by slot.
@@ -165,6 +169,10 @@ class MappedLayout:
             views.append(base.as_strided(spec.shape, _contiguous_strides(spec.shape), start))
         return views
 
+    def mark_ready(self) -> None:
+        """Every slot mapped so far may be filled: nothing else writes to it any more."""
+        self.ready = len(self.slots)
+
     def complete(self) -> MappedLayout:
         """Check every segment announced arrived."""
         if self.received_segments != self.expected_segments:
@@ -175,7 +183,8 @@ class MappedLayout:
 
     def prefault_slot(self, index: int, threads: int) -> None:
         """Fault a slot's pages in ahead of its first use (on a background thread, few
-        threads: it competes with training for memory bandwidth, not for the GPU)."""
+        threads: it competes with training for memory bandwidth, not for the GPU). The
+        slot must not be ``ready`` yet: this writes back the bytes it read."""
         with self._lock:
             if self._closed:
                 return

@@ -495,6 +495,44 @@ def test_a_first_save_sets_up_one_slot_and_the_next_save_overlaps_its_write(
         daemon.discard()
 
 
+def test_a_save_never_fills_a_slot_while_it_is_still_being_faulted_in(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second slot arrives in the background and is faulted in there by a
+    read-modify-write of a byte per page. A save granted that slot meanwhile must wait:
+    copied under the prefault, a byte per page of it would be put back to what the
+    prefault read (the soak caught this as a checkpoint that differed from its source).
+
+    The prefault is slowed down here — read, pause, write back, which is what ``add_(0)``
+    does in a few nanoseconds — because the real one is too quick to hit on purpose; what
+    it wrote back then shows in the slot (read from memory) rather than in the file."""
+    faulting, real = threading.Event(), staging.prefault
+    page = 4096
+
+    def slow_prefault(buffer: torch.Tensor) -> None:
+        before = buffer[::page].clone()
+        faulting.set()
+        threading.Event().wait(0.5)
+        buffer[::page].copy_(before)
+        real(buffer)
+
+    monkeypatch.setattr(staging, "prefault", slow_prefault)
+    first = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: 1,024 pages
+    second = {"w": torch.arange(1 << 20, dtype=torch.float32) + 0.5}
+    expected = clone(second)
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.save(first, ckpt / "a").wait(60)  # slot 1 comes, and is faulted in, now
+        assert faulting.wait(30), "the added slot was never faulted in"
+        handle = stager.save(second, ckpt / "b")  # granted slot 1, the only one free
+        second["w"].fill_(-7)  # the trainer moves on
+        handle.wait(60)
+        stager._layout.growth.result(30)  # the prefault has written back what it read
+        in_memory = load(ckpt / "b", source="memory", socket=daemon.socket)
+        assert_same(in_memory, expected)  # the slot, as the daemon wrote it
+    assert "added 1 slot(s) to layout" in daemon.log()
+    assert_same(load(ckpt / "b", source="files"), expected)
+
+
 def test_slots_one_never_asks_for_more(daemon, ckpt: Path) -> None:
     with Stager(daemon.socket, slots=1) as stager:
         stager.save({"w": torch.ones(8)}, ckpt / "a").wait(60)

@@ -63,6 +63,34 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
+def difference(got: object, expected: object, client: int, step: int) -> str:
+    """Which leaves differ, and what they hold instead: the trainer's overwrite (-7), another
+    step's values, or something else, so that a failure says where to look."""
+    got_leaves, want_leaves = tensors(got), tensors(expected)
+    if len(got_leaves) != len(want_leaves):
+        return f"{len(got_leaves)} tensors, expected {len(want_leaves)}; got {got!r:.300}"
+    parts = []
+    for i, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        if same(a, b):
+            continue
+        flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+        wrong = (flat_a != flat_b).nonzero().reshape(-1) if a.shape == b.shape else None
+        where = "shape" if wrong is None else f"{wrong.numel()}/{flat_b.numel()} elements"
+        first = "" if wrong is None or not wrong.numel() else f" from #{int(wrong[0])}"
+        overwrite = bool(wrong is not None and wrong.numel() and (flat_a[wrong] == -7).all())
+        others = [
+            s
+            for s in range(max(0, step - 3), step + 4)
+            if s != step and any(same(a, t) for t in tensors(state_for(client, s)))
+        ]
+        parts.append(
+            f"leaf {i} ({b.dtype}{list(b.shape)}): {where} differ{first}"
+            + (", all -7 (the trainer's overwrite)" if overwrite else "")
+            + (f", equal to step {others}" if others else "")
+        )
+    return "; ".join(parts) or f"non-tensor values differ: {got!r:.300} vs {expected!r:.300}"
+
+
 def main() -> None:
     sock, root, client, saves = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     in_flight: deque = deque()
@@ -70,8 +98,13 @@ def main() -> None:
     def settle() -> None:
         handle, path, step = in_flight.popleft()
         handle.wait(300)
-        if not same(load(path), state_for(client, step)):  # load() verifies every checksum
-            raise SystemExit(f"client {client}: checkpoint {path} differs from its source")
+        restored = load(path, with_info=True)  # load() verifies every checksum
+        expected = state_for(client, step)
+        if not same(restored.state, expected):
+            raise SystemExit(
+                f"client {client}: checkpoint {path} (read from {restored.source}) differs "
+                f"from its source: {difference(restored.state, expected, client, step)}"
+            )
         shutil.rmtree(path)
 
     with Stager(sock, slots=2) as stager:
