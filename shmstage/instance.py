@@ -188,6 +188,21 @@ def owed_jobs(journal: str, instance: str) -> list[str]:
     return sorted(e for e in entries if e.startswith(f"{instance}.") and e.endswith(suffix))
 
 
+def _drop_unacknowledged(journal: str, instance: str) -> None:
+    """Remove a dead instance's pending entries (``.<instance>.<job>.job.tmp``): commits it
+    never acknowledged, which its successor would drop too. Whoever reaps the lock does
+    it, or the journal directory would outlive the lock with nobody left to find it."""
+    prefix, suffix = f".{instance}.", f"{JOURNAL_SUFFIX}.tmp"
+    try:
+        entries = os.listdir(journal)
+    except OSError:
+        return
+    for name in entries:
+        if name.startswith(prefix) and name.endswith(suffix):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(journal, name))
+
+
 def _locks() -> list[tuple[str, str]]:
     try:
         entries = os.listdir(LOCK_DIR)
@@ -312,6 +327,7 @@ def reap(
             except FileNotFoundError:
                 continue
             if info.journal and os.path.basename(info.journal) == f"shmstage.{instance}.journal":
+                _drop_unacknowledged(info.journal, instance)
                 with contextlib.suppress(OSError):
                     os.rmdir(info.journal)  # only if empty: an owed entry is never removed
         report.locks.append(path)

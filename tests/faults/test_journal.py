@@ -5,6 +5,7 @@ and reapers that leave owed segments alone."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import harness
@@ -207,6 +208,30 @@ def test_reapers_hold_back_what_a_journal_owes(tmp_path: Path) -> None:
             segment.unlink(name)
         if os.path.exists(instance.lock_path(dead.instance)):
             os.unlink(instance.lock_path(dead.instance))
+
+
+def test_a_dead_instance_s_unacknowledged_entries_go_with_its_lock(tmp_path: Path) -> None:
+    """A daemon killed while a commit waited for its copy leaves a pending entry, which it
+    never owed. Whoever reaps its lock — its successor, or a daemon on another socket that
+    starts first — removes the entry and the journal with it: nobody could find that
+    journal afterwards."""
+    dead = instance.InstanceLock.claim(journal_root=str(tmp_path), socket="/x.sock")
+    os.close(dead.fd)
+    journal_dir = Path(instance.journal_dir(str(tmp_path), dead.instance))
+    journal_dir.mkdir()
+    (journal_dir / f".{dead.instance}.2.job.tmp").write_bytes(b"never acknowledged")
+    (journal_dir / "unrelated").touch()
+    try:
+        report = instance.reap(only_uid=os.geteuid())
+        assert dead.instance not in report.held
+        assert not os.path.exists(instance.lock_path(dead.instance))
+        assert os.listdir(journal_dir) == ["unrelated"]  # only its own pending entries
+        (journal_dir / "unrelated").unlink()
+    finally:
+        if os.path.exists(instance.lock_path(dead.instance)):
+            os.unlink(instance.lock_path(dead.instance))
+        if journal_dir.exists():
+            shutil.rmtree(journal_dir)
 
 
 # -- a new directory: written pending, published by rename -----------------------------

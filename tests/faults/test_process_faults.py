@@ -174,10 +174,14 @@ def test_a_save_whose_daemon_dies_during_the_copy_leaves_nothing(daemons, tmp_pa
     assert_checkpoint_equals(tmp_path / "base", single_tensor_state(11))
 
 
-def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path) -> None:
+@pytest.mark.parametrize("first_start", ["successor", "bystander"])
+def test_daemon_killed_while_a_commit_waits_for_its_copy(
+    daemons, tmp_path: Path, first_start: str
+) -> None:
     """save() sends its commit ahead of the copy; the daemon journals it only pending. A
     daemon killed before the client says "ready" owes nothing: the next start drops the
-    pending entry and reaps the segments, and nothing is ever published."""
+    pending entry and reaps the segments, and nothing is ever published — also when a
+    daemon on another socket (a bystander) starts first and reaps the dead one's lock."""
     daemon = daemons()
     trainer = start_trainer(daemon.socket, tmp_path, "copy", 8)
     read_marker(trainer, "BASE")
@@ -187,6 +191,8 @@ def test_daemon_killed_while_a_commit_waits_for_its_copy(daemons, tmp_path: Path
     # Written under its temporary name: not owed, and no reaper holds segments for it.
     assert len(pending) == 1 and pending[0].startswith(".") and pending[0].endswith(".tmp")
     daemon.kill()
+    if first_start == "bystander":
+        daemons(where=tmp_path / "other")
     restarted = daemons()
     assert journal_entries(restarted) == [] == journal_entries(daemon)
     assert instance_clean(daemon.instance)
