@@ -161,6 +161,8 @@ class Retention:
         self.leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._by_file: dict[FileId, _Entry] = {}
+        #: Entries ``_by_file`` kept at its last pruning (see ``remember``).
+        self._files_kept = 0
         self._by_uid: dict[int, list[_Entry]] = {}
         self._structures: dict[int, str] = {}
 
@@ -173,6 +175,16 @@ class Retention:
         self._by_file[held.data_id] = entry
         mine = [e for e in self._by_uid.get(held.uid, []) if self._current(e)]
         self._by_uid[held.uid] = [*mine, entry]
+        if len(self._by_file) > 2 * self._files_kept + 64:
+            self._prune_files()
+
+    def _prune_files(self) -> None:
+        """Forget the files of checkpoints no slot holds any more (refilled, given back,
+        released). Every commit adds one, with its tree and metadata: without this a
+        daemon that runs for months grows by each save it ever acknowledged. Pruned
+        when the index has doubled since last time, so each commit pays O(1) on average."""
+        self._by_file = {key: e for key, e in self._by_file.items() if self._current(e)}
+        self._files_kept = len(self._by_file)
 
     def job_ended(self, slot: Slot, result: job.JobResult) -> None:
         """The job writing the slot's checkpoint ended: durable, or no checkpoint at all."""
