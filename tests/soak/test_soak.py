@@ -27,7 +27,9 @@ from shmstage import segment
 
 CLIENTS = 8
 SAVES = int(os.environ.get("SHMSTAGE_SOAK_SAVES", "20"))
-WARMUP_SAVES = 8
+#: Every structure the workers cycle through once (``soak_worker.CHANGE_EVERY`` saves
+#: each, three of them): the daemon's working size includes each one's layouts.
+WARMUP_SAVES = 3 * 7
 WORKER = Path(__file__).with_name("soak_worker.py")
 
 
