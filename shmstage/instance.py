@@ -188,19 +188,27 @@ def owed_jobs(journal: str, instance: str) -> list[str]:
     return sorted(e for e in entries if e.startswith(f"{instance}.") and e.endswith(suffix))
 
 
-def _drop_unacknowledged(journal: str, instance: str) -> None:
+def _drop_unacknowledged(journal: str, instance: str, uid: int) -> None:
     """Remove a dead instance's pending entries (``.<instance>.<job>.job.tmp``): commits it
     never acknowledged, which its successor would drop too. Whoever reaps the lock does
-    it, or the journal directory would outlive the lock with nobody left to find it."""
+    it, or the journal directory would outlive the lock with nobody left to find it.
+
+    Only in a real directory (not a symlink) owned by the lock's uid: the lock names the
+    journal, and a lock is a file anyone could have planted (``shmstage gc`` as root)."""
     prefix, suffix = f".{instance}.", f"{JOURNAL_SUFFIX}.tmp"
     try:
-        entries = os.listdir(journal)
+        fd = os.open(journal, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return
-    for name in entries:
-        if name.startswith(prefix) and name.endswith(suffix):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(journal, name))
+    try:
+        if os.fstat(fd).st_uid != uid:
+            return
+        for name in os.listdir(fd):
+            if name.startswith(prefix) and name.endswith(suffix):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def _locks() -> list[tuple[str, str]]:
@@ -327,7 +335,7 @@ def reap(
             except FileNotFoundError:
                 continue
             if info.journal and os.path.basename(info.journal) == f"shmstage.{instance}.journal":
-                _drop_unacknowledged(info.journal, instance)
+                _drop_unacknowledged(info.journal, instance, info.uid)
                 with contextlib.suppress(OSError):
                     os.rmdir(info.journal)  # only if empty: an owed entry is never removed
         report.locks.append(path)

@@ -227,6 +227,15 @@ def test_a_dead_instance_s_unacknowledged_entries_go_with_its_lock(tmp_path: Pat
         assert not os.path.exists(instance.lock_path(dead.instance))
         assert os.listdir(journal_dir) == ["unrelated"]  # only its own pending entries
         (journal_dir / "unrelated").unlink()
+        # A lock naming a journal through a symlink leads nowhere.
+        planted = instance.InstanceLock.claim(journal_root=str(tmp_path), socket="/y.sock")
+        os.close(planted.fd)
+        target = tmp_path / "elsewhere"
+        target.mkdir()
+        (target / f".{planted.instance}.1.job.tmp").touch()
+        os.symlink(target, instance.journal_dir(str(tmp_path), planted.instance))
+        instance.reap(only_uid=os.geteuid())
+        assert os.listdir(target) == [f".{planted.instance}.1.job.tmp"]
     finally:
         if os.path.exists(instance.lock_path(dead.instance)):
             os.unlink(instance.lock_path(dead.instance))
