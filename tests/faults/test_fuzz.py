@@ -55,6 +55,9 @@ TOTAL_FRAMES = int(os.environ.get("SHMSTAGE_FUZZ_FRAMES", "10000"))
 HAVE_ATHERIS = importlib.util.find_spec("atheris") is not None
 HYPOTHESIS_SHARE = 5 / 6 if HAVE_ATHERIS else 1.0
 WALL_LIMIT_S = float(os.environ.get("SHMSTAGE_FUZZ_SECONDS", "1800"))
+#: pytest's per-test timeout (the suite's 300 s) would cut the full run short: these
+#: tests bound themselves by WALL_LIMIT_S, plus the time to check the daemon afterwards.
+within_wall_limit = pytest.mark.timeout(WALL_LIMIT_S + 180)
 
 
 # -- strategies ----------------------------------------------------------------------
@@ -330,6 +333,7 @@ def run_session(sock: Path, scratch: Path, greet: bool, frames: list) -> int:
         connection.close()
 
 
+@within_wall_limit
 def test_hypothesis_fuzz_over_the_socket(daemons, tmp_path: Path) -> None:
     daemon = daemons(*RETAIN_BRIEFLY)
     scratch = tmp_path / "scratch"
@@ -378,6 +382,7 @@ def test_hypothesis_fuzz_over_the_socket(daemons, tmp_path: Path) -> None:
     assert "Traceback" not in daemon.log(), daemon.log()[-5000:]
 
 
+@within_wall_limit
 @pytest.mark.skipif(not HAVE_ATHERIS, reason="atheris is not installed (no wheel here)")
 def test_atheris_fuzz_over_the_socket(daemons, tmp_path: Path) -> None:
     daemon = daemons(*RETAIN_BRIEFLY)
