@@ -523,7 +523,7 @@ def test_a_save_never_fills_a_slot_while_it_is_still_being_faulted_in(
     with Stager(daemon.socket, slots=2) as stager:
         stager.save(first, ckpt / "a").wait(60)  # slot 1 comes, and is faulted in, now
         assert faulting.wait(30), "the added slot was never faulted in"
-        handle = stager.save(second, ckpt / "b")  # granted slot 1, the only one free
+        handle = stager.save(second, ckpt / "b")  # slot 1: it holds nothing, slot 0 job 1
         second["w"].fill_(-7)  # the trainer moves on
         handle.wait(60)
         stager._layout.growth.result(30)  # the prefault has written back what it read
