@@ -523,6 +523,7 @@ class Stager:
             if mapped is None or mapped.growth is not None:
                 return
             if mapped.slot_count < mapped.target_slots:
+                mapped.start_growing()
                 mapped.growth = self._background.submit(self._add_slots, mapped)
 
     def _add_slots(self, mapped: MappedLayout) -> None:
@@ -549,6 +550,7 @@ class Stager:
                 handle.finish()
             for index in range(first, mapped.slot_count):
                 mapped.prefault_slot(index, BACKGROUND_SETUP_THREADS)
+                mapped.mark_ready(index + 1, grown=False)  # a save may take it already
         except (SaveError, OSError, ValueError) as exc:
             if not self._warned_slots:
                 self._warned_slots = True
@@ -568,9 +570,7 @@ class Stager:
         """The granted slot mapped (it may be one still arriving) and, before its first
         copy, pinned: registering blocks the process's CUDA calls, so it is done here,
         inside the measured stall, and never behind the trainer's back."""
-        if slot >= mapped.ready:  # still arriving, or being faulted in (``ready``)
-            mapped.settle(self.request_timeout)
-        if slot >= mapped.ready:
+        if not mapped.wait_ready(slot, self.request_timeout):  # arriving, or faulted in
             with contextlib.suppress(SaveError):
                 self._connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
             raise DaemonLost(

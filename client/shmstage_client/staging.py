@@ -78,6 +78,9 @@ class MappedLayout:
     #: Held while segments are mapped or faulted in, and to close: the background request
     #: adding slots must never touch a region after it is unmapped.
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Signalled as slots become ready; ``_growing`` while a background request adds some.
+    _ready_changed: threading.Condition = field(default_factory=threading.Condition)
+    _growing: bool = False
     _closed: bool = False
 
     @classmethod
@@ -169,9 +172,25 @@ class MappedLayout:
             views.append(base.as_strided(spec.shape, _contiguous_strides(spec.shape), start))
         return views
 
-    def mark_ready(self) -> None:
-        """Every slot mapped so far may be filled: nothing else writes to it any more."""
-        self.ready = len(self.slots)
+    def start_growing(self) -> None:
+        """A background request is about to add slots (``ready`` then follows them)."""
+        with self._ready_changed:
+            self._growing = True
+
+    def mark_ready(self, count: int | None = None, *, grown: bool = True) -> None:
+        """The first ``count`` slots (None: every slot mapped so far) may be filled: nothing
+        else writes to them any more. ``grown=False``: more may follow."""
+        with self._ready_changed:
+            self.ready = len(self.slots) if count is None else min(count, len(self.slots))
+            self._growing = self._growing and not grown
+            self._ready_changed.notify_all()
+
+    def wait_ready(self, index: int, timeout: float | None) -> bool:
+        """Wait (bounded) until slot ``index`` may be filled, or no request is adding slots
+        any more; whether it may be."""
+        with self._ready_changed:
+            self._ready_changed.wait_for(lambda: self.ready > index or not self._growing, timeout)
+            return self.ready > index
 
     def complete(self) -> MappedLayout:
         """Check every segment announced arrived."""

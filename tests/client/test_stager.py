@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -531,6 +532,36 @@ def test_a_save_never_fills_a_slot_while_it_is_still_being_faulted_in(
         assert_same(in_memory, expected)  # the slot, as the daemon wrote it
     assert "added 1 slot(s) to layout" in daemon.log()
     assert_same(load(ckpt / "b", source="files"), expected)
+
+
+def test_a_save_waits_for_the_prefault_of_its_own_slot_only(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With three slots, two arrive in the background and are faulted in one after the
+    other: a save granted the first of them need not wait for the second's prefault."""
+    release, original = threading.Event(), staging.MappedLayout.prefault_slot
+
+    def held_back(self: staging.MappedLayout, index: int, threads: int) -> None:
+        if index == 2:
+            release.wait(30)  # the third slot's prefault takes as long as the test says
+        original(self, index, threads)
+
+    monkeypatch.setattr(staging.MappedLayout, "prefault_slot", held_back)
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    try:
+        with Stager(daemon.socket, slots=3) as stager:
+            stager.save(state, ckpt / "a").wait(60)
+            wait_for(lambda: stager._layout.ready == 2, 30, "the second slot to be ready")
+            started = time.monotonic()
+            second = stager.save({"w": state["w"] + 1}, ckpt / "b")  # slot 1, ready
+            waited = time.monotonic() - started
+            assert not release.is_set() and waited < 10, f"save() took {waited:.1f} s"
+            release.set()
+            second.wait(60)
+            assert stager._layout.growth.result(30) is None and stager._layout.ready == 3
+    finally:
+        release.set()
+    assert_same(load(ckpt / "b", source="files"), {"w": state["w"] + 1})
 
 
 def test_slots_one_never_asks_for_more(daemon, ckpt: Path) -> None:
