@@ -35,6 +35,9 @@ _LOCK = re.compile(r"^shmstage\.([0-9a-f]{16})\.lock$")
 LOCK_DIR: Final = segment.SHM_DIR
 #: Journal entries are ``<instance>.<job>`` plus this suffix; reapers only list names.
 JOURNAL_SUFFIX: Final = ".job"
+#: An entry written before its commit was acknowledged is ``.<entry name>`` plus this: it
+#: owes nothing, and whoever finds it dead removes it.
+PENDING_SUFFIX: Final = ".tmp"
 _JOURNAL_KEY: Final = "journal="
 _SOCKET_KEY: Final = "socket="
 
@@ -195,7 +198,7 @@ def _drop_unacknowledged(journal: str, instance: str, uid: int) -> None:
 
     Only in a real directory (not a symlink) owned by the lock's uid: the lock names the
     journal, and a lock is a file anyone could have planted (``shmstage gc`` as root)."""
-    prefix, suffix = f".{instance}.", f"{JOURNAL_SUFFIX}.tmp"
+    prefix, suffix = f".{instance}.", f"{JOURNAL_SUFFIX}{PENDING_SUFFIX}"
     try:
         fd = os.open(journal, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

@@ -523,8 +523,7 @@ class Stager:
             if mapped is None or mapped.growth is not None:
                 return
             if mapped.slot_count < mapped.target_slots:
-                mapped.start_growing()
-                mapped.growth = self._background.submit(self._add_slots, mapped)
+                mapped.grow(self._background, self._add_slots)
 
     def _add_slots(self, mapped: MappedLayout) -> None:
         """The daemon creates the slots; they are mapped, then faulted in on a few threads
@@ -550,7 +549,7 @@ class Stager:
                 handle.finish()
             for index in range(first, mapped.slot_count):
                 mapped.prefault_slot(index, BACKGROUND_SETUP_THREADS)
-                mapped.mark_ready(index + 1, grown=False)  # a save may take it already
+                mapped.mark_ready(index + 1)  # a save may take it already
         except (SaveError, OSError, ValueError) as exc:
             if not self._warned_slots:
                 self._warned_slots = True
@@ -563,8 +562,6 @@ class Stager:
                     exc,
                     "" if mapped.whole else " (the next save registers the layout again)",
                 )
-        finally:
-            mapped.mark_ready()  # after the prefault: saves may fill the new slots now
 
     def _make_ready(self, mapped: MappedLayout, slot: int) -> None:
         """The granted slot mapped (it may be one still arriving) and, before its first

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +78,8 @@ class MappedLayout:
     #: Held while segments are mapped or faulted in, and to close: the background request
     #: adding slots must never touch a region after it is unmapped.
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Signalled as slots become ready; ``_growing`` while a background request adds some.
+    #: Signalled as slots become ready, and when the background request ends.
     _ready_changed: threading.Condition = field(default_factory=threading.Condition)
-    _growing: bool = False
     _closed: bool = False
 
     @classmethod
@@ -172,24 +171,33 @@ class MappedLayout:
             views.append(base.as_strided(spec.shape, _contiguous_strides(spec.shape), start))
         return views
 
-    def start_growing(self) -> None:
-        """A background request is about to add slots (``ready`` then follows them)."""
-        with self._ready_changed:
-            self._growing = True
+    def grow(
+        self,
+        executor: concurrent.futures.Executor,
+        add_slots: Callable[[MappedLayout], None],
+    ) -> None:
+        """Run ``add_slots(self)`` on ``executor`` as this layout's ``growth``; it marks the
+        slots it adds ready as each is faulted in (``mark_ready``), and once it ended every
+        slot it mapped is (which also wakes a save waiting for a slot it never brought)."""
+        self.growth = executor.submit(add_slots, self)
+        self.growth.add_done_callback(lambda _: self.mark_ready())
 
-    def mark_ready(self, count: int | None = None, *, grown: bool = True) -> None:
+    def mark_ready(self, count: int | None = None) -> None:
         """The first ``count`` slots (None: every slot mapped so far) may be filled: nothing
-        else writes to them any more. ``grown=False``: more may follow."""
+        else writes to them any more."""
         with self._ready_changed:
             self.ready = len(self.slots) if count is None else min(count, len(self.slots))
-            self._growing = self._growing and not grown
             self._ready_changed.notify_all()
 
     def wait_ready(self, index: int, timeout: float | None) -> bool:
         """Wait (bounded) until slot ``index`` may be filled, or no request is adding slots
         any more; whether it may be."""
+
+        def settled() -> bool:
+            return self.ready > index or self.growth is None or self.growth.done()
+
         with self._ready_changed:
-            self._ready_changed.wait_for(lambda: self.ready > index or not self._growing, timeout)
+            self._ready_changed.wait_for(settled, timeout)
             return self.ready > index
 
     def complete(self) -> MappedLayout:

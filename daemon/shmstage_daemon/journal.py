@@ -54,7 +54,7 @@ from typing import Any, Final
 import msgpack
 
 from shmstage import names, segment
-from shmstage.instance import JOURNAL_SUFFIX
+from shmstage.instance import JOURNAL_SUFFIX, PENDING_SUFFIX
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import pack_map
@@ -70,7 +70,6 @@ ENTRY_VERSION: Final = 2
 _OLDER_VERSIONS: Final = frozenset({1})
 #: An entry holds a layout, a tree and metadata; a real one is well below this.
 MAX_ENTRY_BYTES: Final = 256 * 1024 * 1024
-_TMP_SUFFIX: Final = ".tmp"
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
 
@@ -246,7 +245,7 @@ def _segment(item: Any) -> tuple[str, int]:
 
 
 def _tmp_name(name: str) -> str:
-    return f".{name}{_TMP_SUFFIX}"
+    return f".{name}{PENDING_SUFFIX}"
 
 
 def entry_for(
@@ -633,7 +632,7 @@ class Journal:
         entries = []
         for name in sorted(os.listdir(self.directory)):
             path = self.directory / name
-            if name.endswith(_TMP_SUFFIX):  # an entry never acknowledged: its job never ran
+            if name.endswith(PENDING_SUFFIX):  # an entry never acknowledged: its job never ran
                 path.unlink(missing_ok=True)
                 continue
             if not name.endswith(JOURNAL_SUFFIX):

@@ -20,10 +20,11 @@ import torch
 from shmstage_client import Stager, load
 
 CHANGE_EVERY = 7
+STRUCTURES = 3
 
 
 def state_for(client: int, step: int) -> dict:
-    structure = (step // CHANGE_EVERY) % 3
+    structure = (step // CHANGE_EVERY) % STRUCTURES
     gen = torch.Generator().manual_seed(client * 100_003 + step)
     if structure == 0:
         return {"w": torch.randn(1024, 512, generator=gen), "step": step}  # 2 MiB

@@ -22,14 +22,15 @@ import time
 from pathlib import Path
 
 from harness import RunningDaemon, start_daemon, wait_for
+from soak_worker import CHANGE_EVERY, STRUCTURES
 
 from shmstage import segment
 
 CLIENTS = 8
 SAVES = int(os.environ.get("SHMSTAGE_SOAK_SAVES", "20"))
-#: Every structure the workers cycle through once (``soak_worker.CHANGE_EVERY`` saves
-#: each, three of them): the daemon's working size includes each one's layouts.
-WARMUP_SAVES = 3 * 7
+#: Every structure the workers cycle through once: the daemon's working size includes
+#: each one's layouts.
+WARMUP_SAVES = STRUCTURES * CHANGE_EVERY
 WORKER = Path(__file__).with_name("soak_worker.py")
 
 
