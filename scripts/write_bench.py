@@ -10,6 +10,10 @@ then times, on the same directory and bytes (medians of ``--runs``):
   write scheduler configured from the flags (``--jobs N`` runs N such jobs at once, of
   ``--owners`` users in turn, and reports their aggregate and each job's time).
 
+The disk's pace drifts within minutes, so the limit and the writer (each ``--variants``
+entry) are run in turn, round by round, and each writer is also reported as the median of
+its time ÷ its own round's limit.
+
 While each runs, /proc/meminfo is sampled every 10 ms: the peak of Dirty + Writeback, and
 how much Cached grew (shared memory counts as Cached, so the figure is the growth over what
 was staged before the write). Speed is never asserted anywhere; this prints figures.
@@ -154,6 +158,46 @@ def raw_write(path: Path, total: int, *, direct: bool, threads: int, chunk: int)
             buffer.close()
 
 
+LIMIT = "disk limit (direct I/O)"
+#: The gathering knobs as the daemon has them (``--gather-regions`` changes the last).
+DEFAULTS = {
+    "MIN_MEAN_TENSOR_BYTES": gather.MIN_MEAN_TENSOR_BYTES,
+    "MAX_REGIONS": gather.MAX_REGIONS,
+}
+
+
+def writer_row(variant: str) -> str:
+    return "shmstaged writer" if variant == "default" else f"writer {variant}"
+
+
+def use_variant(variant: str) -> None:
+    """Set the gathering knobs as ``variant`` says (see ``--variants``)."""
+    gather.MIN_MEAN_TENSOR_BYTES = DEFAULTS["MIN_MEAN_TENSOR_BYTES"]  # type: ignore[misc]
+    regions = DEFAULTS["MAX_REGIONS"]
+    for option in variant.split("+"):
+        key, _, value = option.partition("=")
+        if key == "regions":
+            regions = max(1, int(value))
+        elif key == "small":
+            gather.MIN_MEAN_TENSOR_BYTES = 0  # type: ignore[misc]
+        elif key != "default":
+            raise SystemExit(f"unknown variant {option!r} (see --variants)")
+    gather.MAX_REGIONS = regions  # type: ignore[misc]
+
+
+def merged(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from single-run ``timed`` results of several rounds."""
+    return {
+        "seconds": statistics.median(s["seconds"] for s in samples),
+        "all_seconds": [s["seconds"] for s in samples],
+        "cpu_seconds": statistics.median(s["cpu_seconds"] for s in samples),
+        "peak_dirty_writeback": max(s["peak_dirty_writeback"] for s in samples),
+        "cached_growth_peak": max(s["cached_growth_peak"] for s in samples),
+        "cached_growth_after": max(s["cached_growth_after"] for s in samples),
+        "extra": samples[-1]["extra"],
+    }
+
+
 def timed(runs: int, prepare: Callable[[int], Any], run: Callable[[Any], Any]) -> dict[str, Any]:
     seconds, cpu, dirty, cached_peak, cached_after, extra = [], [], [], [], [], None
     for attempt in range(runs):
@@ -198,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         default=gather.MAX_REGIONS,
         help="at most this many threads gather a file of large tensors (1: the job's alone)",
     )
+    parser.add_argument(
+        "--variants",
+        default="default",
+        help="comma list of writers to alternate with the direct-I/O limit, round by round; "
+        "each '+'-joined from: default, regions=N (at most N gathering threads; 1: the "
+        "job's alone), small (files of small tensors get several too)",
+    )
     parser.add_argument("--limit-threads", type=int, default=4)
     parser.add_argument("--skip-limits", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -205,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.owners > 1 and os.geteuid() != 0:
         parser.error("--owners above 1 writes as other uids: run as root")
-    gather.MAX_REGIONS = max(1, args.gather_regions)
+    DEFAULTS["MAX_REGIONS"] = max(1, args.gather_regions)
+    variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
+    for variant in variants:
+        use_variant(variant)  # an unknown one fails now, not after the staging
+    use_variant("default")
     total = parse_size(args.size)
     count = max(1, args.tensors)
     # multiples of 64 bytes, as model tensors are (as shmstage-bench draws them)
@@ -242,18 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             scratch.unlink(missing_ok=True)
             return scratch
 
-        if not args.skip_limits:
-            rows["disk limit (direct I/O)"] = timed(
-                args.runs,
-                fresh,
-                lambda path: raw_write(
-                    path,
-                    total * args.jobs,
-                    direct=True,
-                    threads=args.limit_threads,
-                    chunk=chunk,
-                ),
+        def limit(_state: Any) -> None:
+            raw_write(
+                scratch, total * args.jobs, direct=True, threads=args.limit_threads, chunk=chunk
             )
+
+        if not args.skip_limits:
             rows["raw buffered write"] = timed(
                 args.runs,
                 fresh,
@@ -288,7 +337,15 @@ def main(argv: list[str] | None = None) -> int:
                     phases.append(result.phases.describe())
             return [result.seconds for result in results]
 
-        rows["shmstaged writer"] = timed(args.runs, jobs, write)
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(args.runs):  # the disk's pace drifts: each round has its own limit
+            if not args.skip_limits:
+                rounds.setdefault(LIMIT, []).append(timed(1, fresh, limit))
+                scratch.unlink(missing_ok=True)
+            for variant in variants:
+                use_variant(variant)
+                rounds.setdefault(writer_row(variant), []).append(timed(1, jobs, write))
+        rows |= {name: merged(samples) for name, samples in rounds.items()}
         shutil.rmtree(args.dir / "ckpt", ignore_errors=True)
     finally:
         for group in refs:
@@ -298,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         disk.close()
 
     nbytes = total * args.jobs
-    limit = rows.get("disk limit (direct I/O)", {}).get("seconds")
+    limit = rows.get(LIMIT, {}).get("seconds")
     buffered = rows.get("raw buffered write", {}).get("seconds")
     print(
         f"{'method':<26}{'median s':>10}{'GB/s':>8}{'/direct':>9}{'/buffered':>10}"
@@ -314,9 +371,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{format_size(max(0, row['cached_growth_peak'])):>14}"
             f"{format_size(max(0, row['cached_growth_after'])):>15}"
         )
+    if LIMIT in rows:
+        for variant in variants:
+            paired = [
+                writer["seconds"] / bound["seconds"]
+                for writer, bound in zip(rounds[writer_row(variant)], rounds[LIMIT], strict=True)
+            ]
+            shown = ", ".join(f"{ratio:.2f}" for ratio in paired)
+            print(
+                f"{writer_row(variant)} / its round's limit: median "
+                f"{statistics.median(paired):.2f} ({shown})"
+            )
     if phases:
         print(f"shmstaged writer, last job: {phases[-1]}")
-    per_job = rows["shmstaged writer"]["extra"]
+    per_job = rows[writer_row(variants[-1])]["extra"]
     if args.jobs > 1 and per_job:
         print("per job (last run), s: " + ", ".join(f"{s:.2f}" for s in per_job))
     if args.json:
