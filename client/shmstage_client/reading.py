@@ -28,7 +28,6 @@ from __future__ import annotations
 import abc
 import bisect
 import concurrent.futures
-import contextlib
 import ctypes
 import logging
 import os
@@ -58,9 +57,6 @@ MAX_THREADS: Final = 16
 #: and for how long when no restore takes them.
 MAX_SPARES: Final = MAX_THREADS + 2
 KEEP_STAGING_S: Final = 60.0
-#: Whether a thread starting chunk i tells the source that chunk i + threads, the one it
-#: or another will take once those being read now are done, comes next (``Source.expect``).
-EXPECT_AHEAD = True
 #: Staging buffers in transparent huge pages where the kernel has them free (a module
 #: setting so that a bench can compare; see ``shmstage.hostmemory``).
 HUGE_STAGING = True
@@ -91,9 +87,6 @@ class Source(abc.ABC):
     def read_into(self, start: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes from ``start`` on; called from several threads."""
 
-    def expect(self, start: int, end: int) -> None:  # noqa: B027 - a hint, most ignore it
-        """Bytes [start, end) will be read soon: a source that must fetch them may start."""
-
 
 class MappedSource(Source):
     """Bytes mapped into this process (the daemon's segments, read-only)."""
@@ -118,15 +111,6 @@ class FileSource(Source):
 
     def read_into(self, start: int, buffer: memoryview) -> None:
         _pread_exactly(self.fd, buffer, self.offset + start, self.where)
-
-    def expect(self, start: int, end: int) -> None:
-        """Have the kernel read [start, end) from the disk now (``WILLNEED``), while the
-        threads still read the chunks before it: the disk then has more reads queued than
-        one per thread, which is what a virtual disk needs for its full speed (8 GiB cold
-        on an H200 VM: 1.7 GB/s with 16 readers, 2.2 with 64). On cached pages it costs a
-        lookup; where the filesystem does not take the hint, nothing happens."""
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(self.fd, self.offset + start, end - start, os.POSIX_FADV_WILLNEED)
 
 
 class SegmentSource(Source):
@@ -404,20 +388,20 @@ class _Transfer:
         size = self.source.size
         self.destination = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._host = None if self.cuda else _host_buffer(self.destination)
-        spans = self._spans = [(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)]
+        spans = [(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)]
         if self.cuda:
             # one buffer per thread and two spare, so a reader rarely waits for a copy;
             # no more: a restarted process registers each one, serialised by the driver
             self._staging = _Staging(min(len(spans), self.threads + 2) or 1, CHUNK)
         try:
             if len(spans) <= 1 or self.threads == 1:
-                for index in range(len(spans)):
-                    self._chunk(index)
+                for span in spans:
+                    self._chunk(span)
             else:
                 with concurrent.futures.ThreadPoolExecutor(
                     self.threads, thread_name_prefix="shmstage-restore"
                 ) as pool:
-                    for done in [pool.submit(self._chunk, index) for index in range(len(spans))]:
+                    for done in [pool.submit(self._chunk, span) for span in spans]:
                         done.result()
         finally:
             if self._stream is not None:
@@ -428,10 +412,8 @@ class _Transfer:
             self._check()
         return {p.key: self._tensor(p) for p in self.placements}
 
-    def _chunk(self, index: int) -> None:
-        start, end = self._spans[index]
-        if EXPECT_AHEAD and index + self.threads < len(self._spans):
-            self.source.expect(*self._spans[index + self.threads])
+    def _chunk(self, span: tuple[int, int]) -> None:
+        start, end = span
         if not self.cuda:
             assert self._host is not None
             host = self._host[start:end]  # on the CPU: straight into the destination

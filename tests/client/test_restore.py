@@ -339,35 +339,6 @@ def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
         os.close(fd)
 
 
-def test_a_file_read_on_threads_asks_the_kernel_for_each_chunk_one_round_ahead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each thread starting chunk i announces chunk i + threads (the disk gets more reads
-    queued than one per thread); the hint changes nothing in what comes back."""
-    monkeypatch.setattr(reading, "CHUNK", 4096)
-    data, placements = _packed(CASES)
-    path = tmp_path / "data"
-    path.write_bytes(b"H" * 100 + data)
-    expected: list[tuple[int, int]] = []
-    announce = FileSource.expect
-
-    def spy(self: FileSource, start: int, end: int) -> None:
-        expected.append((start, end))
-        announce(self, start, end)  # the real posix_fadvise(WILLNEED)
-
-    monkeypatch.setattr(FileSource, "expect", spy)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = transfer(
-            FileSource(fd, 100, len(data), str(path)), placements, torch.device("cpu"), threads=3
-        )
-    finally:
-        os.close(fd)
-    assert_same(got, CASES, key_order=False)
-    chunks = [(start, min(start + 4096, len(data))) for start in range(0, len(data), 4096)]
-    assert sorted(expected) == chunks[3:]  # each once, none for the first round
-
-
 def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
