@@ -244,6 +244,28 @@ def test_peer_that_crashes_hangs_or_leaks_is_one_error_row_and_the_report_is_wri
     assert "test-hang: error:" in proc.stdout and "chart written" in proc.stdout
 
 
+def test_a_method_stopped_by_the_bench_s_budget_is_not_called_hung(tmp_path: Path) -> None:
+    """Where --budget ends before a method's own deadline, its row says the budget ran
+    out (the method may have been fine), and the report is still written."""
+    _, rep = run_bench(
+        tmp_path,
+        *TINY,
+        "--repeats",
+        "1",
+        "--methods",
+        "test-hang",
+        "--method-timeout",
+        "120",
+        "--budget",
+        "45",  # 30 s of it are kept back for the report: the hang gets about 15
+        env={TEST_METHODS_ENV: "1"},
+    )
+    row = report.rows_by_name(rep, "methods")["test-hang"]
+    assert row["status"] == "error"
+    assert "--budget of 45 s ran out (its own deadline: 120 s)" in row["error"], row["error"]
+    assert "hung" not in row["error"]
+
+
 def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
     tmp_path: Path, daemon: RunningDaemon
 ) -> None:

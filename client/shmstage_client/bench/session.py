@@ -96,17 +96,23 @@ class BenchSession:
         if why:
             self.log(f"{name}: {why}")
             return Outcome(error=why)
-        timeout = self._capped(timeout)
-        self.log(f"{name}: starting (deadline {timeout:.0f} s)")
+        capped = self._capped(timeout)
+        self.log(f"{name}: starting (deadline {capped:.0f} s)")
         outcome = run_isolated(
             name,
             fn,
             args,
-            timeout=timeout,
+            timeout=capped,
             workdir=self.workdir,
             start_method=self.args.start_method,
             sink=None if self.args.quiet else sys.stderr,
         )
+        if not outcome.ok and capped < timeout and outcome.seconds >= capped:
+            # stopped at the budget's edge, not at its own deadline: not a hang
+            outcome.error = (
+                f"stopped after {capped:.0f} s, where the bench's --budget of "
+                f"{self.args.budget:.0f} s ran out (its own deadline: {timeout:.0f} s)"
+            )
         self.log(f"{name}: {'done' if outcome.ok else outcome.error} ({outcome.seconds:.1f} s)")
         return outcome
 
