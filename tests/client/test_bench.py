@@ -20,7 +20,7 @@ import pytest
 import torch
 from harness import RunningDaemon
 from shmstage_client import Stager
-from shmstage_client.bench import direct_io, report
+from shmstage_client.bench import direct_io, report, restore
 from shmstage_client.bench.daemon import _JOURNAL_IN_LOG, _journal_in
 from shmstage_client.bench.direct_io import AlignedBuffer, read_direct, write_direct
 from shmstage_client.bench.limits import DirectWrite
@@ -28,7 +28,12 @@ from shmstage_client.bench.method import BenchContext, MethodUnavailable
 from shmstage_client.bench.pagecache import PageCacheSampler
 from shmstage_client.bench.peers import METHOD_NAMES, TEST_METHODS_ENV
 from shmstage_client.bench.saves import first_difference, substitute
-from shmstage_client.bench.synthetic import build_state_dict, parse_size, tensor_sizes
+from shmstage_client.bench.synthetic import (
+    SyntheticSpec,
+    build_state_dict,
+    parse_size,
+    tensor_sizes,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -145,6 +150,34 @@ def test_direct_write_row_is_skipped_naming_the_filesystem_when_o_direct_is_refu
     method = DirectWrite(BenchContext(device=torch.device("cpu"), root=tmp_path))
     with pytest.raises(MethodUnavailable, match=r"O_DIRECT refused on \w+ at"):
         method.setup({"t": torch.zeros(4)})
+
+
+@pytest.mark.parametrize("drop", ["fadvise", "none"])
+def test_the_read_limit_is_the_fastest_cold_read_and_never_one_from_a_warm_cache(
+    tmp_path: Path, drop: str
+) -> None:
+    """Each way is timed and named; with the page cache left as it is (--drop-caches
+    none), a read through it would be warm, so only O_DIRECT reads count."""
+    data = tmp_path / "model.safetensors"
+    data.write_bytes(os.urandom(3 << 20))
+    job = restore.RestoreJob(
+        SyntheticSpec(3 << 20, 1, 4096, 3 << 20, "u8", "cpu", 0),
+        "",
+        tmp_path,
+        1,
+        drop,
+        2,
+        1 << 20,
+        10.0,
+    )
+    row = restore._read_limit(job, [data], torch.device("cpu"))
+    if "O_DIRECT refused" in row.get("note", ""):
+        pytest.skip(f"no O_DIRECT under {tmp_path}")
+    assert row["status"] == "ok" and row["seconds"] > 0
+    ways = row["note"].removeprefix("fastest of: ").split("; ")
+    assert "2 x 1 MiB O_DIRECT" in row["note"]  # the bench's own settings are one way
+    assert len(ways) == len(restore.READ_WAYS) + (1 if drop == "fadvise" else 0)
+    assert ("page cache, cold" in row["note"]) is (drop == "fadvise")
 
 
 def test_daemon_journal_is_read_from_status_or_log_never_computed() -> None:
