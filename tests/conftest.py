@@ -6,16 +6,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import RawClient, RunningDaemon, start_daemon
+from harness import STARTED, RawClient, RunningDaemon, start_daemon
 
 from shmstage import instance, segment
+
+
+@pytest.fixture(autouse=True, scope="session")
+def discard_every_daemon() -> Iterator[None]:
+    """At the session's end, no daemon a test started is left running, nor its segments,
+    lock file or journal directory in /dev/shm (a test that kills one leaves them for the
+    successor it starts; one that ends first leaves them for nobody)."""
+    yield
+    for running in STARTED:
+        running.discard()
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
     running = start_daemon(tmp_path)
     yield running
-    running.discard()  # never leak segments or a lock file into the next test
+    running.discard()  # never leak segments, a lock file or a journal into the next test
 
 
 @pytest.fixture

@@ -59,11 +59,14 @@ class RunningDaemon:
 
     def discard(self) -> None:
         """Kill it if it still runs, and leave nothing of it for the next test: its
-        segments, and the lock file a killed daemon leaves behind."""
+        segments, and the lock file and journal directory a killed daemon leaves behind
+        (the journal first: only the lock names it, so without the lock no daemon would
+        ever find it again, and every run of the suite left a few hundred in /dev/shm)."""
         if self.proc.poll() is None:
             self.kill()
         for name in segment.list_names(self.instance) if self.instance else []:
             segment.unlink(name)
+        shutil.rmtree(self.journal, ignore_errors=True)
         if self.instance:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock_path(self.instance))
@@ -82,6 +85,10 @@ class RunningDaemon:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
+
+#: Every daemon ``start_daemon`` started in this test session, for the session's end to
+#: discard whatever a test left running or behind (``conftest.discard_every_daemon``).
+STARTED: list[RunningDaemon] = []
 
 #: What shmstaged logs once its event loop serves (``Service.run``).
 READY_LINE = "ready: serving "
@@ -114,6 +121,7 @@ def start_daemon(
     )
     log_file.close()
     daemon = RunningDaemon(sock, proc, log_path)
+    STARTED.append(daemon)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if proc.poll() is not None:
