@@ -216,6 +216,26 @@ class Daemon:
         )
         self.instance = self._lock.instance
         self.journal = journal.Journal(Path(instance.journal_dir(str(root), self.instance)))
+        try:
+            self._take_over(listener)
+        except BaseException:
+            self._give_back_instance()
+            raise
+        log.info(
+            "shmstaged %s listening on %s%s (instance %s, journal %s on %s, admitting %s)",
+            __version__,
+            self.settings.socket_path,
+            " (socket activation)" if self.activated else "",
+            self.instance,
+            self.journal.directory,
+            self.journal_kind,
+            self.settings.allowlist.describe(),
+        )
+        faults.pause("started")
+
+    def _take_over(self, listener: socket.socket | None) -> None:
+        """Bind (or take) the socket, then adopt what dead predecessors on it still owe and
+        reap the rest of dead instances' segments."""
         if listener is not None:
             self.activated = True
             self._listener = listener
@@ -238,17 +258,22 @@ class Daemon:
                 "finishing them now",
                 len(owed),
             )
-        log.info(
-            "shmstaged %s listening on %s%s (instance %s, journal %s on %s, admitting %s)",
-            __version__,
-            self.settings.socket_path,
-            " (socket activation)" if self.activated else "",
-            self.instance,
-            self.journal.directory,
-            self.journal_kind,
-            self.settings.allowlist.describe(),
-        )
-        faults.pause("started")
+
+    def _give_back_instance(self) -> None:
+        """Start-up failed after the instance was claimed (the socket taken by another
+        daemon, say): leave nothing of it in /dev/shm, the lock file included, unless its
+        journal already holds what it adopted from a predecessor — then the lock stays
+        and names that journal, as at a stop that leaves jobs owed."""
+        if self._listener is not None and not self.activated:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.settings.socket_path.unlink()
+            self._listener = None
+        if self._lock is None:
+            return
+        if self.journal.remove_if_empty() or not self.journal.directory.exists():
+            self._lock.release()
+            self._lock = None
 
     def _adopt_predecessors(self) -> list[journal.Entry]:
         """Load what dead daemons on this socket still owe, from their own journals.

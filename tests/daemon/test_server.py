@@ -248,7 +248,13 @@ def test_a_signal_during_start_up_is_acted_on_once_the_daemon_can(
             daemon.proc.kill()
 
 
-def test_a_second_daemon_refuses_a_live_socket(daemon, tmp_path: Path) -> None:
+def test_a_second_daemon_refuses_a_live_socket_and_leaves_nothing_behind(
+    daemon, tmp_path: Path
+) -> None:
+    """The refused daemon had claimed an instance (a lock file in /dev/shm) before it found
+    the socket taken: it gives the instance back as it exits, rather than leaving the lock
+    for the next daemon of this uid to reap."""
+    before = set(os.listdir("/dev/shm"))
     out = subprocess.run(
         [sys.executable, "-m", "shmstage_daemon.main", "--socket", str(daemon.socket)],
         capture_output=True,
@@ -257,6 +263,8 @@ def test_a_second_daemon_refuses_a_live_socket(daemon, tmp_path: Path) -> None:
     )
     assert out.returncode == 2 and "already serving" in out.stderr
     assert daemon.proc.poll() is None
+    left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("shmstage.")}
+    assert left == set(), left
 
 
 def test_segments_of_a_killed_daemon_are_reaped_by_the_next(tmp_path: Path, ckpt: Path) -> None:
