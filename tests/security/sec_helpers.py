@@ -19,6 +19,7 @@ import grp
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -147,6 +148,16 @@ class Actor:
             os.killpg(self.proc.pid, 9)
         self.proc.wait(10)
 
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM first, so that a daemon this actor runs removes its socket, lock file
+        and journal directory as it exits; SIGKILL if it does not within ``timeout``."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
 
 def _program(user: User, code: str) -> str:
     prelude = PRELUDE.format(groups=list(user.groups), gid=user.gid, uid=user.uid)
@@ -208,7 +219,7 @@ def start_daemon_as(
 ):
     """shmstaged as ``user`` holding only ``caps`` (the packaged unit's CAP_SETUID and
     CAP_SETGID by default), serving ``where/shmstaged.sock``; a harness RunningDaemon."""
-    from harness import RunningDaemon
+    from harness import STARTED, RunningDaemon
 
     where.mkdir(parents=True, exist_ok=True)
     os.chown(where, user.uid, user.gid)
@@ -222,6 +233,7 @@ def start_daemon_as(
             [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=_env(env)
         )
     daemon = RunningDaemon(sock, proc, log_path)
+    STARTED.append(daemon)  # discarded at the session's end whatever the test does
     offset = len(daemon.log())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -239,13 +251,6 @@ def start_daemon_as(
 
 
 def stop_and_reap(daemon) -> None:  # a harness RunningDaemon
-    """Kill a test's daemon and remove what it leaves in /dev/shm (segments, lock)."""
-    from shmstage import instance, segment
-
-    if daemon.proc.poll() is None:
-        daemon.proc.kill()
-        daemon.proc.wait(10)
-    for name in segment.list_names(daemon.instance):
-        segment.unlink(name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(instance.lock_path(daemon.instance))
+    """Kill a test's daemon and remove what it leaves in /dev/shm (segments, lock file,
+    journal directory): the harness's ``discard``."""
+    daemon.discard()

@@ -76,7 +76,7 @@ def test_a_squatted_fallback_socket_is_refused_by_client_and_daemon(
         assert own.proc.wait(60) == 2
         assert f"belongs to uid {attacker.uid}" in own.proc.stderr.read()
     finally:
-        impostor.kill()
+        impostor.stop()  # a daemon: let it remove its lock file and journal
         run_as(attacker, f'shutil.rmtree("{squatted}", ignore_errors=True)')
     assert arena.exists()
 
@@ -109,7 +109,7 @@ def test_a_socket_of_another_user_is_refused_even_when_named_explicitly(
         )
         assert "REFUSED" in out and "neither root, this user nor the shmstaged service user" in out
     finally:
-        impostor.kill()
+        impostor.stop()  # a daemon: let it remove its lock file and journal
 
 
 def test_a_daemon_starts_despite_a_squatted_journal_name(shared_daemon, attacker: User) -> None:
