@@ -264,16 +264,23 @@ class Daemon:
         daemon, say): leave nothing of it in /dev/shm, the lock file included, unless its
         journal already holds what it adopted from a predecessor — then the lock stays
         and names that journal, as at a stop that leaves jobs owed."""
-        if self._listener is not None and not self.activated:
-            self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.settings.socket_path.unlink()
-            self._listener = None
+        self._close_listener()
         if self._lock is None:
             return
         if self.journal.remove_if_empty() or not self.journal.directory.exists():
             self._lock.release()
             self._lock = None
+
+    def _close_listener(self) -> None:
+        """Stop listening; remove the socket file unless systemd passed the socket (it
+        keeps listening on it across restarts)."""
+        if self._listener is None:
+            return
+        self._listener.close()
+        self._listener = None
+        if not self.activated:
+            with contextlib.suppress(FileNotFoundError):
+                self.settings.socket_path.unlink()
 
     def _adopt_predecessors(self) -> list[journal.Entry]:
         """Load what dead daemons on this socket still owe, from their own journals.
@@ -421,11 +428,7 @@ class Daemon:
         start on this socket finishes the checkpoint. A stop must never turn an
         acknowledged checkpoint into a failed one.
         """
-        if self._listener is not None:
-            self._listener.close()
-            if not self.activated:
-                with contextlib.suppress(FileNotFoundError):
-                    self.settings.socket_path.unlink()
+        self._close_listener()
         pending = [record.future for record in self.jobs.values()]
         pending += list(self.recovering.values())
         if pending:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from harness import RunningDaemon, start_daemon
-from sec_helpers import ATTACKER, GROUP, VICTIM, User, ensure_accounts, stop_and_reap
+from sec_helpers import ATTACKER, GROUP, VICTIM, User, ensure_accounts
 
 
 @pytest.fixture(scope="session")
@@ -62,4 +62,4 @@ def shared_daemon(
 
     yield start
     for daemon in started:
-        stop_and_reap(daemon)
+        daemon.discard()

@@ -248,9 +248,3 @@ def start_daemon_as(
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError(f"shmstaged did not start:\n{daemon.log()}")
-
-
-def stop_and_reap(daemon) -> None:  # a harness RunningDaemon
-    """Kill a test's daemon and remove what it leaves in /dev/shm (segments, lock file,
-    journal directory): the harness's ``discard``."""
-    daemon.discard()

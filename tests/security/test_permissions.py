@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness import RunningDaemon, wait_for
-from sec_helpers import DAEMON_USER, GROUP, User, run_as, start_daemon_as, stop_and_reap
+from sec_helpers import DAEMON_USER, GROUP, User, run_as, start_daemon_as
 
 from shmstage import checkpoint
 
@@ -37,7 +37,7 @@ def system_daemon(accounts: dict[str, User], arena: Path) -> Iterator:
 
     yield start
     for daemon in started:
-        stop_and_reap(daemon)
+        daemon.discard()
 
 
 TRUST = {"SHMSTAGE_DAEMON_USER": DAEMON_USER}
