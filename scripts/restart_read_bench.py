@@ -9,9 +9,13 @@ the raw pinned host-to-device copy measured in the same run. Medians of ``--roun
 
 Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
 ``cudaHostAlloc`` memory, as when registering is refused); ``small-pages`` (staging in
-4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``switch=S``
+4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``batch=ROWS``
+(rows per batch of the device checks); ``switch=S``
 (``sys.setswitchinterval(S)``: how much the readers' threads wait for the GIL);
-``no-verify``; ``parts`` also prints the thread-seconds spent allocating staging,
+``no-verify``; ``host-checks`` (checksums on the host, never the device); ``device-checks``
+(the device's checks warmed up before the first restore, as a process has them from its
+third restore on; by default a new process checks on the host);
+``parts`` also prints the thread-seconds spent allocating staging,
 reading and checksumming (summed over the threads).
 
     python3 scripts/restart_read_bench.py --size 8GiB --tensors 500 \\
@@ -123,6 +127,12 @@ def child(spec_path: Path, variant: str) -> int:
             sys.setswitchinterval(float(value))
         elif key == "no-verify":
             verify = False
+        elif key == "batch":  # rows per batch of the device checks
+            reading.device_checksums.BATCH_ROWS = int(value)  # type: ignore[misc]
+        elif key == "host-checks":  # checksums on the host, never the device
+            reading.DEVICE_CHECKSUMS = False  # type: ignore[misc]
+        elif key == "device-checks":  # the checks warmed up first, as in a process's third
+            reading.device_checksums.warm_up(torch.device("cuda"))
         elif key == "parts":
             parts = True
         elif key != "default":
@@ -174,6 +184,12 @@ def _time_parts(reading: Any, spent: dict[str, float]) -> None:
     reading._HostBuffer.__init__ = timed("staging", reading._HostBuffer.__init__)
     reading.SegmentSource.read_into = timed("read", reading.SegmentSource.read_into)
     reading._Transfer._checksum = timed("checksum", reading._Transfer._checksum)
+    # the device checks: queuing them (the checker thread), waiting for the checker once
+    # the last chunk was queued, and the device's work after the copies
+    checks = reading.device_checksums.DeviceChecksums
+    checks.advance = timed("check-queue", checks.advance)
+    reading._DeviceCheck.close = timed("check-behind", reading._DeviceCheck.close)
+    reading._DeviceCheck.results = timed("check-tail", reading._DeviceCheck.results)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ These run only where CUDA is present (the GPU machine); everywhere else they are
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from harness import assert_same
-from shmstage_client import SaveTimeout, Stager, load, reading
+from shmstage_client import SaveTimeout, Stager, device_checksums, load, reading
 from shmstage_client.pinning import PinError, try_pin
+
+from shmstage import segment
 
 pytestmark = [
     pytest.mark.gpu,
@@ -272,6 +275,90 @@ def test_restore_to_the_gpu_from_memory_and_from_files_is_bit_exact(daemon, ckpt
             assert torch.equal(restored.state[key].view(torch.uint8), tensor.view(torch.uint8))
     torch.cuda.synchronize()
     assert torch.ones(1, device="cuda").item() == 1.0
+
+
+def test_a_restore_to_the_gpu_is_checked_on_the_device_and_a_corrupt_byte_is_caught(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device computes every tensor's CRC-32C itself (the host never reads the staging
+    buffers again); one flipped byte deep inside a large tensor, or in its last block,
+    sends the restore to the files, which hold the right bytes."""
+    checked: list[int] = []
+    finish = device_checksums.DeviceChecksums.finish
+
+    def counting(self: device_checksums.DeviceChecksums) -> list[int]:
+        values = finish(self)
+        checked.append(len(values))
+        return values
+
+    monkeypatch.setattr(device_checksums.DeviceChecksums, "finish", counting)
+    monkeypatch.setattr(reading, "CHUNK", 1 << 20)  # many chunks, checked as they land
+    device_checksums.warm_up(torch.device("cuda"))  # as from a process's third restore
+    checked.clear()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    state = {
+        "big": torch.randn((3 << 20) + 5, device="cuda", generator=gen),
+        **_gpu_state(),
+    }
+    with Stager(daemon.socket, slots=1) as stager:
+        stager.save(state, ckpt / "c").wait(120)
+        good = load(ckpt / "c", device="cuda", with_info=True, socket=daemon.socket)
+        assert (good.source, good.verified) == ("memory", True)
+        assert_same(good.state, state)
+        assert checked == [len(state)]
+        big = max(daemon.segments(), key=lambda n: os.stat(segment.SHM_DIR + n).st_size)
+        size = os.stat(segment.SHM_DIR + big).st_size
+        for position in ((5 << 20) + 3, state["big"].nbytes - 2):
+            with open(segment.SHM_DIR + big, "r+b") as shm:  # as the daemon's uid: real
+                shm.seek(position)
+                byte = shm.read(1)
+                shm.seek(position)
+                shm.write(bytes([byte[0] ^ 0x10]))
+            result = load(ckpt / "c", device="cuda", with_info=True, socket=daemon.socket)
+            assert result.source == "files" and "checksum mismatch" in result.reason
+            assert "'big'" in result.reason and size >= state["big"].nbytes
+            assert_same(result.state, state)
+            with open(segment.SHM_DIR + big, "r+b") as shm:  # mend it for the next position
+                shm.seek(position)
+                shm.write(byte)
+
+
+def test_a_process_checks_on_the_host_until_its_second_restore_warms_the_device_up(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the checks' kernels costs a new process more than host checks do, so a
+    restarted trainer's one restore checks on the host; after a second restore the
+    kernels load in the background and later restores check on the device."""
+    monkeypatch.setattr(reading, "_HOST_CHECKED", {})
+    monkeypatch.setattr(device_checksums, "_WARM", set())
+    monkeypatch.setattr(device_checksums, "_WARMING", set())
+    on_device: list[bool] = []
+    run = reading._Transfer.run
+
+    def noting(self: reading._Transfer) -> dict[str, torch.Tensor]:
+        try:
+            return run(self)
+        finally:
+            on_device.append(self._checks is not None)
+
+    monkeypatch.setattr(reading._Transfer, "run", noting)
+    state = _gpu_state()
+    with Stager(daemon.socket) as stager:
+        stager.save(state, ckpt / "c").wait(120)
+        for _ in range(2):
+            assert_same(load(ckpt / "c", device="cuda", socket=daemon.socket), state)
+        assert on_device == [False, False]
+        deadline = time.monotonic() + 60
+        while not device_checksums.ready(torch.device("cuda")):
+            assert time.monotonic() < deadline, "the device's checks never warmed up"
+            time.sleep(0.05)
+        restored = load(ckpt / "c", device="cuda", with_info=True, socket=daemon.socket)
+        assert (restored.source, restored.verified, on_device) == (
+            "memory",
+            True,
+            [False] * 2 + [True],
+        )
+        assert_same(restored.state, state)
 
 
 @pytest.mark.parametrize("registered", [True, False])
