@@ -13,8 +13,8 @@ Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
 (rows per batch of the device checks); ``switch=S``
 (``sys.setswitchinterval(S)``: how much the readers' threads wait for the GIL);
 ``no-verify``; ``host-checks`` (checksums on the host, never the device); ``device-checks``
-(the device's checks warmed up before the first restore, as a process has them from its
-third restore on; by default a new process checks on the host);
+(``SHMSTAGE_DEVICE_CHECKSUMS=1`` with the device's checks warmed up before the first
+restore, as a process has them from its third restore on);
 ``parts`` also prints the thread-seconds spent allocating staging,
 reading and checksumming (summed over the threads).
 
@@ -131,7 +131,8 @@ def child(spec_path: Path, variant: str) -> int:
             reading.device_checksums.BATCH_ROWS = int(value)  # type: ignore[misc]
         elif key == "host-checks":  # checksums on the host, never the device
             reading.DEVICE_CHECKSUMS = False  # type: ignore[misc]
-        elif key == "device-checks":  # the checks warmed up first, as in a process's third
+        elif key == "device-checks":  # on, and warmed up first, as in a process's third
+            reading.DEVICE_CHECKSUMS = True  # type: ignore[misc]
             reading.device_checksums.warm_up(torch.device("cuda"))
         elif key == "parts":
             parts = True

@@ -49,9 +49,12 @@ from shmstage_client.pinning import PIN_FAILURES, register_range, unregister
 
 log = logging.getLogger("shmstage.client")
 
-#: Bytes per chunk: the size of each pinned staging buffer, one device copy each (8 GiB
-#: from the daemon's memory on the H100 host: 16 MiB 0.37 s, 32 MiB 0.29 s, 64 MiB 0.44 s).
-CHUNK: Final = 32 << 20
+#: Bytes per chunk: the size of each pinned staging buffer, one device copy each. 8 GiB
+#: from the daemon's memory in a new process (an H200 VM, alternating, medians): 16 MiB
+#: 0.41-0.42 s, 24 MiB 0.43 s, 32 MiB 0.47-0.49 s, 8 MiB 0.51 s; a restarted trainer's
+#: latest() 0.37 s with 16 MiB against 0.42 s (docs/perf/staging-chunks.txt). Smaller
+#: buffers are ready sooner while a new process makes them, and take half the memory.
+CHUNK: Final = 16 << 20
 #: Threads reading and checksumming (same: 0.46 s on 8 threads, 0.29 s on 16).
 MAX_THREADS: Final = 16
 #: Staging buffers kept for this process's next restore (one per thread and two spare),
@@ -61,10 +64,11 @@ KEEP_STAGING_S: Final = 60.0
 #: Staging buffers in transparent huge pages where the kernel has them free (a module
 #: setting so that a bench can compare; see ``shmstage.hostmemory``).
 HUGE_STAGING = True
-#: Verify a transfer to a CUDA device on the device (``device_checksums``) rather than
-#: on the host, where the device has the memory for it; ``SHMSTAGE_DEVICE_CHECKSUMS=0``
-#: keeps the checks on the host.
-DEVICE_CHECKSUMS = os.environ.get("SHMSTAGE_DEVICE_CHECKSUMS", "1") != "0"
+#: With ``SHMSTAGE_DEVICE_CHECKSUMS=1``, verify a transfer to a CUDA device on the device
+#: (``device_checksums``) rather than on the host, where the device has the memory for it:
+#: ~1.3 fewer host core-seconds per 8 GiB, the same time within the VMs' noise (-8% to
+#: +6% across three H200 VMs, docs/perf/device-checks.txt), so not the default.
+DEVICE_CHECKSUMS = os.environ.get("SHMSTAGE_DEVICE_CHECKSUMS", "0") == "1"
 #: Device memory left free beside the restored bytes and the check's working memory.
 DEVICE_HEADROOM: Final = 256 << 20
 

@@ -293,6 +293,7 @@ def test_a_restore_to_the_gpu_is_checked_on_the_device_and_a_corrupt_byte_is_cau
 
     monkeypatch.setattr(device_checksums.DeviceChecksums, "finish", counting)
     monkeypatch.setattr(reading, "CHUNK", 1 << 20)  # many chunks, checked as they land
+    monkeypatch.setattr(reading, "DEVICE_CHECKSUMS", True)  # SHMSTAGE_DEVICE_CHECKSUMS=1
     device_checksums.warm_up(torch.device("cuda"))  # as from a process's third restore
     checked.clear()
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -329,6 +330,7 @@ def test_a_process_checks_on_the_host_until_its_second_restore_warms_the_device_
     """Loading the checks' kernels costs a new process more than host checks do, so a
     restarted trainer's one restore checks on the host; after a second restore the
     kernels load in the background and later restores check on the device."""
+    monkeypatch.setattr(reading, "DEVICE_CHECKSUMS", True)  # SHMSTAGE_DEVICE_CHECKSUMS=1
     monkeypatch.setattr(reading, "_HOST_CHECKED", {})
     monkeypatch.setattr(device_checksums, "_WARM", set())
     monkeypatch.setattr(device_checksums, "_WARMING", set())
