@@ -5,6 +5,9 @@ copies it from there. Checksumming those buffers on the host reads them a second
 on the GPU hosts the copy out of shared memory, the device's reads and the checksums'
 together run at the host's memory bandwidth: a verified restore of 8 GiB took 2.0x the
 raw pinned copy, an unverified one 1.6x. Here the device checks the bytes it received.
+Measured, that frees the host's cores (1.5-1.8 core-seconds per 8 GiB become 0.25) but did
+not shorten a restore beyond the VMs' noise, so ``reading`` uses it only when asked
+(``SHMSTAGE_DEVICE_CHECKSUMS=1``) and only once ``warm_up`` has loaded its kernels.
 
 A CRC with zero initial value is linear over GF(2) in the message's bits, so every piece
 of the arithmetic is a 0/1 matrix product, which a device does with integer matrix
@@ -72,7 +75,7 @@ def _advance_bytes(value: int, nbytes: int) -> int:
 def tables(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The block matrix (8 * BLOCK x 32: rows bit k of byte p at k * BLOCK + p) and the carry
     matrices for 2^k bytes, k in 0..47, as int8 on ``device``: made once per process
-    (tens of ms on one core; a restore starts it early, with ``reading.prepare``)."""
+    (20-40 ms, on the host, then copied; ``warm_up`` makes them)."""
     one_byte = torch.tensor(
         [_bits(_advance_bytes(1 << q, 1)) for q in range(32)], dtype=torch.int32
     )
@@ -112,16 +115,19 @@ def _device_key(device: torch.device) -> torch.device:
 
 
 def warm_up(device: torch.device) -> None:
-    """Make the tables and load every kernel a check uses, by checking a batch of zeros
-    (a full batch: the block product picks its kernel by shape)."""
+    """Make the tables and load every kernel a check uses, by checking a full batch (the
+    block product picks its kernel by shape) and a small one, both with padded heads, and
+    comparing with the host's checksums."""
     device = _device_key(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return  # torch._int_mm needs int8 tensor cores: such a device is never ready
     tables(device)
-    zeros = torch.zeros((BATCH_ROWS + 3) * BLOCK, dtype=torch.uint8, device=device)
-    ranges = [(BLOCK + 1, BATCH_ROWS * BLOCK), ((BATCH_ROWS + 2) * BLOCK, 5)]
-    stream = torch.cuda.Stream(device)
-    if DeviceChecksums(zeros, ranges, stream).finish() != [_crc_of_zeros(n) for _, n in ranges]:
+    size = (BATCH_ROWS + 3) * BLOCK
+    pattern = (torch.arange(size, dtype=torch.int32, device=device) % 251).to(torch.uint8)
+    ranges = [(BLOCK + 1, BATCH_ROWS * BLOCK - 3), ((BATCH_ROWS + 2) * BLOCK, 5)]
+    got = DeviceChecksums(pattern, ranges, torch.cuda.Stream(device)).finish()
+    host = pattern.cpu().numpy()
+    if got != [crc32c.crc32c(host[offset : offset + n]) for offset, n in ranges]:
         raise RuntimeError(f"checksums on {device} disagree with the host's: not used")
     _WARM.add(device)
 
@@ -143,10 +149,6 @@ def warm_up_later(device: torch.device) -> None:
     # not a daemon thread: one stopped inside a CUDA call at the interpreter's exit aborts
     # the process ("terminate called without an active exception"); exit waits for it
     threading.Thread(target=run, name="shmstage-check-warm-up").start()
-
-
-def _crc_of_zeros(nbytes: int) -> int:
-    return crc32c.crc32c(bytes(nbytes))
 
 
 def _column_major(matrix: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -225,7 +227,7 @@ class DeviceChecksums:
         self._padded = [
             self._first[i] for i, c in enumerate(counts) if c and c * BLOCK != self._lengths[i]
         ]
-        self._blocks = buffer.as_strided((buffer.numel() - BLOCK + 1, BLOCK), (1, 1))
+        self._blocks = buffer.as_strided((max(0, buffer.numel() - BLOCK + 1), BLOCK), (1, 1))
         self._level = torch.zeros(total, 32, dtype=torch.int32, device=device)
         self._length = length
         self._padded_rows = torch.tensor(self._padded, dtype=torch.int64, device=device)
