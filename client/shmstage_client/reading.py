@@ -6,14 +6,15 @@ checks every tensor against the CRC-32C its manifest recorded. Tensor by tensor,
 thread, that runs at the speed of one core and of one small copy at a time (a 4 GiB
 ``load()`` reached 4 GB/s to an H200).
 
-Here the source is cut into chunks of a few tens of MiB. Several threads each take the
-next chunk, copy it into one of a few pinned buffers (for a file or the segments'
-descriptors, a read; for a mapping, a memcpy; on the CPU, straight into the destination),
-checksum the parts of tensors it holds, and queue its copy to the device on one stream.
-The tensors come back as views of one destination buffer at their offsets (a tensor that
-is not aligned for its dtype there gets its own copy). A tensor's checksum is combined
-from those of its parts (``shmstage.checksums.combine``), in whatever order threads
-finished.
+Here the source is cut into chunks of 16 MiB. Several threads each take the next chunk,
+copy it into one of a few pinned buffers (for a file or the segments' descriptors, a read;
+for a mapping, a memcpy; on the CPU, straight into the destination), checksum the parts of
+tensors it holds, and queue its copy to the device on one stream. The tensors come back
+as views of one destination buffer at their offsets (a tensor that is not aligned for its
+dtype there gets its own copy). A tensor's checksum is combined from those of its parts
+(``shmstage.checksums.combine``), in whatever order threads finished. Asked to
+(``DEVICE_CHECKSUMS``), a process that has restored to a GPU twice checks there instead
+(``device_checksums``, ``_DeviceCheck``): the readers then only read and queue.
 
 Copying the daemon's segments through the pinned buffers beat registering them with CUDA
 in place (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) on the H100 host: 8 GiB in
@@ -180,8 +181,8 @@ def _count_host_checked(device: torch.device) -> None:
     """Warm the device's checks up once a process restores to it again and again.
 
     A process's first use of the checks loads a dozen CUDA kernels, each on the thread
-    that launches it while holding the GIL: 0.18-0.21 s on an H200 VM, more than checking
-    on the host costs (8 GiB: 0.39 against 0.35 s unverified, in a new process). A
+    that launches it while holding the GIL: 0.18-0.32 s on an H200 VM, more than checking
+    on the host costs a new process's restore (8 GiB: 0.03-0.05 s over unverified). A
     restarted trainer restores once and never pays it; a process that loads the newest
     weights over and over (an RL rollout worker, an evaluator) pays it once, in the
     background after its second restore, and checks on the device from then on.
