@@ -200,6 +200,13 @@ def _add_restore(p: argparse.ArgumentParser) -> None:
         help="how the cold load drops the page cache: fadvise(DONTNEED) on the files, plus "
         "/proc/sys/vm/drop_caches as root (auto); fadvise only; or not at all",
     )
+    g.add_argument(
+        "--restores",
+        type=int,
+        default=3,
+        help="restores from memory timed in the bench's process, and restarted processes "
+        "after the SIGKILL, each row their median (default 3)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

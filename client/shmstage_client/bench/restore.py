@@ -7,9 +7,11 @@ checkpoint's files, O_DIRECT at three queue depths and through the page cache),
 ``load(..., source="memory")`` from the daemon's memory (the trainer still connected), and
 the restart itself: a trainer process saves, its checkpoint is acknowledged and durable, it
 is SIGKILLed, and a new process restores it with ``latest(device=...)`` — no path given —
-timed, compared bit for bit with the state, and saved once more: that first save of the
-restarted trainer adopts the segments the daemon retained (``segments_created`` 0, from
-the daemon's counters). Every row says where its restore came from (``source``).
+timed and compared bit for bit with the state. The memory and restart rows are medians of
+``--restores`` (each restart a new process; the samples are in the row); the last
+restarted process also saves once more: that first save of a restarted trainer adopts the
+segments the daemon retained (``segments_created`` 0, from the daemon's counters). Every
+row says where its restore came from (``source``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class RestoreJob:
     direct_threads: int
     direct_chunk: int
     wait_timeout: float
+    #: Restores from memory in the bench's process, and restarted processes (medians).
+    restores: int = 3
 
     @property
     def checkpoint(self) -> Path:
@@ -104,6 +108,21 @@ def _restore_row(seconds: float, restored: Any, expected: Any, note: str) -> dic
         "note": "; ".join(filter(None, [note, phases, why, mismatch])),
         "source": restored.source,
     }
+
+
+def _median_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of the median restore among ``samples`` (the lower of the middle two), with
+    every sample's time, bit-exact only if every one was, and where each came from."""
+    row = dict(sorted(samples, key=lambda sample: sample["seconds"])[(len(samples) - 1) // 2])
+    row["samples"] = [sample["seconds"] for sample in samples]
+    row["bit_exact"] = all(sample["bit_exact"] for sample in samples)
+    sources = [sample["source"] for sample in samples]
+    if len(samples) > 1:
+        times = ", ".join(f"{sample['seconds']:.3f}" for sample in samples)
+        row["note"] = f"median of {len(samples)} ({times} s); {row['note']}"
+    if len(set(sources)) > 1:
+        row["note"] += f"; sources: {', '.join(sources)}"
+    return row
 
 
 def _files(path: Path) -> list[Path]:
@@ -182,9 +201,12 @@ def measure(job: RestoreJob) -> dict[str, dict[str, Any]]:
             rows[name] = _restore_row(seconds, out, state, note)
             del out
         try:
-            seconds, out = _timed(lambda: _load(job, device, "memory"), device)
-            rows["load-memory"] = _restore_row(seconds, out, state, "load(source='memory')")
-            del out
+            samples = []
+            for _ in range(max(1, job.restores)):  # one restored state at a time
+                seconds, out = _timed(lambda: _load(job, device, "memory"), device)
+                samples.append(_restore_row(seconds, out, state, "load(source='memory')"))
+                del out
+            rows["load-memory"] = _median_row(samples)
         except Exception as exc:
             rows["load-memory"] = {"status": "error", "error": describe_exception(exc)}
     shutil.rmtree(job.checkpoint, ignore_errors=True)
@@ -204,9 +226,10 @@ def restart_trainer(job: RestoreJob) -> None:
     time.sleep(600)  # until SIGKILLed: the parent's deadline ends this either way
 
 
-def restart_restore(job: RestoreJob) -> dict[str, Any]:
+def restart_restore(job: RestoreJob, save: bool) -> dict[str, Any]:
     """The new process: restore the killed trainer's newest checkpoint to the device with
-    ``latest()`` (no path), check it, then save it once as the restarted trainer would."""
+    ``latest()`` (no path), check it, and with ``save`` save it once as the restarted
+    trainer would."""
     from shmstage_client import latest
 
     device = torch.device(job.spec.device)
@@ -216,6 +239,8 @@ def restart_restore(job: RestoreJob) -> dict[str, Any]:
     seconds, out = _timed(lambda: latest(device=device, socket=job.socket), device)
     row = _restore_row(seconds, out, job.spec.build(), "latest(device=...)")
     row["path_matches"] = out.path is not None and out.path.name == job.checkpoint.name
+    if not save:
+        return row
     created = _segments_created(job.socket)
     with import_stager()(socket=job.socket, slots=job.slots) as stager:
         t0 = time.perf_counter()
@@ -230,7 +255,7 @@ def restart_restore(job: RestoreJob) -> dict[str, Any]:
 
 
 def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, Any]:
-    """Trainer saves and is SIGKILLed once durable; a new process restores."""
+    """Trainer saves and is SIGKILLed once durable; new processes restore, one by one."""
     try:
         child = session.child("restart-trainer", restart_trainer, (job,))
     except Exception as exc:
@@ -245,14 +270,24 @@ def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str
         return {"status": "error", "error": f"trainer: {exc}", "traceback": child.follower.text()}
     finally:
         child.close()
-    outcome = session.run("restart-restore", restart_restore, (job,), timeout)
-    if not outcome.ok:
-        return {
-            "status": "error",
-            "error": f"restore: {outcome.error}",
-            "traceback": outcome.traceback or outcome.log_tail,
-        }
-    row = outcome.value
+    samples = []
+    count = max(1, job.restores)
+    for index in range(count):  # each a new process; the last saves once more
+        outcome = session.run(
+            "restart-restore", restart_restore, (job, index == count - 1), timeout
+        )
+        if not outcome.ok:
+            return {
+                "status": "error",
+                "error": f"restore {index + 1} of {count}: {outcome.error}",
+                "traceback": outcome.traceback or outcome.log_tail,
+            }
+        samples.append(outcome.value)
+    row = _median_row(samples)
+    row["path_matches"] = all(sample["path_matches"] for sample in samples)
+    for key in ("first_save_stall_s", "segments_created"):
+        if key in samples[-1]:
+            row[key] = samples[-1][key]
     row["trainer_stall_s"] = acknowledged.get("stall_s")
     row["trainer_durable_s"] = durable.get("durable_s")
     return row
@@ -300,6 +335,7 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
             args.direct_threads,
             args.direct_chunk,
             args.save_timeout,
+            args.restores,
         )
         outcome = session.run("restore", measure, (job,), args.part_timeout)
         if outcome.ok:
