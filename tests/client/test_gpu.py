@@ -280,9 +280,10 @@ def test_restore_to_the_gpu_from_memory_and_from_files_is_bit_exact(daemon, ckpt
 def test_a_restore_to_the_gpu_is_checked_on_the_device_and_a_corrupt_byte_is_caught(
     daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The device computes every tensor's CRC-32C itself (the host never reads the staging
-    buffers again); one flipped byte deep inside a large tensor, or in its last block,
-    sends the restore to the files, which hold the right bytes."""
+    """Asked to (SHMSTAGE_DEVICE_CHECKSUMS=1), the device computes every tensor's CRC-32C
+    itself (the host never reads the staging buffers again); one flipped byte deep inside
+    a large tensor, or in its last block, sends the restore to the files, which hold the
+    right bytes."""
     checked: list[int] = []
     finish = device_checksums.DeviceChecksums.finish
 
