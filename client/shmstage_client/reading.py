@@ -68,7 +68,7 @@ HUGE_STAGING = True
 #: With ``SHMSTAGE_DEVICE_CHECKSUMS=1``, verify a transfer to a CUDA device on the device
 #: (``device_checksums``) rather than on the host, where the device has the memory for it:
 #: ~1.3 fewer host core-seconds per 8 GiB, the same time within the VMs' noise (-8% to
-#: +6% across three H200 VMs, docs/perf/device-checks.txt), so not the default.
+#: +15% on three VMs, docs/perf/device-checks.txt), so not the default.
 DEVICE_CHECKSUMS = os.environ.get("SHMSTAGE_DEVICE_CHECKSUMS", "0") == "1"
 #: Device memory left free beside the restored bytes and the check's working memory.
 DEVICE_HEADROOM: Final = 256 << 20
