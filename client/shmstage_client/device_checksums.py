@@ -106,10 +106,11 @@ _WARM_LOCK = threading.Lock()
 
 def ready(device: torch.device) -> bool:
     """Whether this process can check on ``device`` at once: its kernels are loaded."""
-    return _device_key(device) in _WARM
+    return device_key(device) in _WARM
 
 
-def _device_key(device: torch.device) -> torch.device:
+def device_key(device: torch.device) -> torch.device:
+    """``device`` with its index: the key per device of what a process has warmed up."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -119,7 +120,7 @@ def warm_up(device: torch.device) -> None:
     """Make the tables and load every kernel a check uses, by checking a full batch (the
     block product picks its kernel by shape) and a small one, both with padded heads, and
     comparing with the host's checksums."""
-    device = _device_key(device)
+    device = device_key(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return  # torch._int_mm needs int8 tensor cores: such a device is never ready
     tables(device)
@@ -135,7 +136,7 @@ def warm_up(device: torch.device) -> None:
 
 def warm_up_later(device: torch.device) -> None:
     """``warm_up`` on a thread of its own, once per device."""
-    device = _device_key(device)
+    device = device_key(device)
     with _WARM_LOCK:
         if device in _WARM or device in _WARMING:
             return

@@ -187,6 +187,7 @@ def _count_host_checked(device: torch.device) -> None:
     weights over and over (an RL rollout worker, an evaluator) pays it once, in the
     background after its second restore, and checks on the device from then on.
     """
+    device = device_checksums.device_key(device)  # "cuda" and "cuda:0" count as one
     count = _HOST_CHECKED.get(device, 0) + 1
     _HOST_CHECKED[device] = count
     if count == WARM_CHECKS_AFTER:
@@ -424,7 +425,7 @@ class _Transfer:
     def run(self) -> dict[str, torch.Tensor]:
         size = self.source.size
         checked = [p for p in self.placements if p.crc32c is not None and p.nbytes]
-        on_device = self.cuda and self.verify and checked and self._device_can_check(size)
+        on_device = self.cuda and self.verify and bool(checked) and self._device_can_check(size)
         self._lead = device_checksums.BLOCK if on_device else 0
         self.destination = torch.empty(size + self._lead, dtype=torch.uint8, device=self.device)
         self._host = None if self.cuda else _host_buffer(self.destination)
@@ -458,7 +459,7 @@ class _Transfer:
             if self._staging is not None:
                 self._staging.close()
         if self._checks is not None:
-            for placement, actual in self._checks.results(self._stream):
+            for placement, actual in self._checks.results():
                 self._compare(placement, actual)
         elif self.verify:
             self._check()
@@ -611,13 +612,13 @@ class _DeviceCheck:
             self._cond.notify()
         self._thread.join()
 
-    def results(self, copies: torch.cuda.Stream | None) -> list[tuple[Placement, int]]:
+    def results(self) -> list[tuple[Placement, int]]:
         """Each placement with the CRC-32C its bytes have on the device."""
         try:
             if self._failure is not None:
                 raise self._failure
-            if copies is not None:
-                self._stream.wait_stream(copies)
+            if self._copies is not None:
+                self._stream.wait_stream(self._copies)
             values = self._sums.finish()
         except torch.OutOfMemoryError as exc:  # another process took the memory meanwhile
             raise ChecksumError(
