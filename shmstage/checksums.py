@@ -25,41 +25,86 @@ _POLY: Final = 0x82F63B78
 PIECE_BYTES: Final = 32 << 20
 
 
+def _times_x(value: int) -> int:
+    return (value >> 1) ^ _POLY if value & 1 else value >> 1
+
+
+def _bitwise_times_x4(nibble: int) -> int:
+    for _ in range(4):
+        nibble = _times_x(nibble)
+    return nibble
+
+
+#: What multiplying by x^4 adds for each value of the low four bits (reflected: the bits
+#: that shift out).
+_TIMES_X4: Final = [_bitwise_times_x4(nibble) for nibble in range(16)]
+
+
 def _multiply(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the polynomial, both in the reflected representation."""
-    mask = 1 << 31
+    """a(x) * b(x) modulo the polynomial, both in the reflected representation.
+
+    Four bits of ``a`` at a time (Horner's rule, from its highest powers, bits 0-3), with
+    a table of ``b``'s 16 products with polynomials below x^4: ~3x faster in Python than
+    bit by bit, which set the cost of combining a restore's parts.
+    """
+    b1 = _times_x(b)
+    b2 = _times_x(b1)
+    base = (_times_x(b2), b2, b1, b)  # bit i of a nibble (from its low end): x^(3 - i)
+    table = [0] * 16
+    for nibble in range(1, 16):
+        low = nibble & -nibble
+        table[nibble] = table[nibble ^ low] ^ base[low.bit_length() - 1]
     product = 0
-    while True:
-        if a & mask:
-            product ^= b
-            if a & (mask - 1) == 0:
-                return product
-        mask >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-        if mask == 0:
-            return product
+    for shift in range(0, 32, 4):
+        product = (product >> 4) ^ _TIMES_X4[product & 15] ^ table[(a >> shift) & 15]
+    return product
 
 
 def _powers() -> list[int]:
-    """x^(2^k) modulo the polynomial for k in 0..31 (x^1 is 1 << 30 when reflected)."""
+    """x^(2^k) modulo the polynomial for k in 0..63 (x^1 is 1 << 30 when reflected).
+
+    All 64 of them: zlib's CRC-32 reuses the first 32 (x^(2^32) is x again modulo its
+    polynomial), but modulo CRC-32C's it is not, and wrapping gave wrong checksums for
+    parts of 512 MiB or more.
+    """
     table = [1 << 30]
-    for _ in range(31):
+    for _ in range(63):
         table.append(_multiply(table[-1], table[-1]))
     return table
 
 
 _X2N: Final = _powers()
+#: x^0, the multiplicative identity, in the reflected representation.
+_ONE: Final = 1 << 31
+
+
+@functools.cache
+def _digit_powers() -> list[list[int]]:
+    """x^(8 * d * 16^k) modulo the polynomial for every hexadecimal digit d (row k) of a
+    length in bytes below 2^64: a shift then takes one product per nonzero digit, not one
+    per set bit (a 16 MiB restore combines ~1,000 parts; 0.1 ms each per bit cost 13-23 ms
+    of a new process's restore)."""
+    table = []
+    for k in range(16):
+        step, row = _X2N[3 + 4 * k], [_ONE]  # x^(8 * 16^k) = x^(2^(3 + 4k))
+        for _ in range(15):
+            row.append(_multiply(row[-1], step))
+        table.append(row)
+    return table
 
 
 @functools.lru_cache(maxsize=256)
 def _shift(nbytes: int) -> int:
     """x^(8 * nbytes) modulo the polynomial: appending ``nbytes`` bytes to a message."""
-    power, k, n = 1 << 31, 3, nbytes
-    while n:
-        if n & 1:
-            power = _multiply(_X2N[k & 31], power)
-        n >>= 1
-        k += 1
+    if nbytes >= 1 << 64:
+        raise ValueError(f"cannot combine checksums over {nbytes} bytes (2^64 or more)")
+    power, digits = _ONE, _digit_powers()
+    for row in digits:
+        if not nbytes:
+            break
+        if nbytes & 15:
+            power = _multiply(row[nbytes & 15], power)
+        nbytes >>= 4
     return power
 
 
