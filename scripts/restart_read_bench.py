@@ -9,7 +9,8 @@ the raw pinned host-to-device copy measured in the same run. Medians of ``--roun
 
 Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
 ``cudaHostAlloc`` memory, as when registering is refused); ``small-pages`` (staging in
-4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``batch=ROWS``
+4 KiB pages, never transparent huge pages); ``threads=N``; ``chunk=MiB``; ``piece=MiB`` and
+``pieces=N`` (each reader's pinned pieces: their size and number); ``batch=ROWS``
 (rows per batch of the device checks); ``switch=S``
 (``sys.setswitchinterval(S)``: how much the readers' threads wait for the GIL);
 ``no-verify``; ``host-checks`` (checksums on the host, never the device); ``device-checks``
@@ -121,6 +122,10 @@ def child(spec_path: Path, variant: str) -> int:
             reading.MAX_THREADS = int(value)  # type: ignore[misc]
         elif key == "chunk":
             reading.CHUNK = int(value) << 20  # type: ignore[misc]
+        elif key == "piece":
+            reading.PIECE = int(value) << 20  # type: ignore[misc]
+        elif key == "pieces":
+            reading.PIECES = int(value)  # type: ignore[misc]
         elif key == "small-pages":
             reading.HUGE_STAGING = False  # type: ignore[misc]
         elif key == "switch":  # the interpreter's GIL switch interval, in seconds

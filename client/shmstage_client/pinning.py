@@ -5,10 +5,9 @@ because the driver bounces it through its own pinned buffer; after ``cudaHostReg
 same mapping takes the copy engine's full rate (~55 GB/s). Registration is paid once per
 layout, never per save.
 
-The CUDA runtime is called through the very ``libcudart`` torch already loaded, via ctypes,
-because every failure needs handling torch does not expose: a failed ``cudaHostRegister``
-leaves a sticky error that the next unrelated torch CUDA call would report as its own, so we
-clear it with ``cudaGetLastError`` and fall back to unpinned copies with one warning.
+The CUDA runtime is called through ctypes (``shmstage_client.cudart``): a failed
+``cudaHostRegister`` leaves a sticky error, which is cleared there, and pinning falls back
+to unpinned copies with one warning.
 Registrations are split into chunks (one call of 512 GiB or more fails), and every range is
 unregistered before it is unmapped (registering a range that was unmapped while registered
 fails later with error 712).
@@ -16,16 +15,16 @@ fails later with error 712).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Final
 
 import torch
 
 from shmstage import segment
+from shmstage_client import cudart
+from shmstage_client.cudart import CudaError
 
 #: Pinned for every CUDA context in the process, not only the current device's.
 HOST_REGISTER_PORTABLE: Final = 0x01
@@ -34,52 +33,13 @@ MAX_REGISTER_BYTES: Final = 256 << 30
 _PAGE: Final = mmap.PAGESIZE
 
 
-class PinError(RuntimeError):
+class PinError(CudaError):
     """Registration failed; the message names the CUDA error and what happens instead."""
 
 
 #: What a pinning attempt may fail with (no libcudart, a CUDA error, a missing symbol);
 #: each means unpinned copies, never a failed save.
-PIN_FAILURES: Final = (PinError, OSError, AttributeError)
-
-
-class _Runtime:
-    """The few CUDA runtime entry points pinning needs, from torch's own libcudart."""
-
-    def __init__(self) -> None:
-        torch.cuda.init()
-        library = _loaded_cudart()
-        if library is None:
-            raise PinError("torch's libcudart is not loaded as a shared library")
-        self.lib = ctypes.CDLL(library)
-        self.lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        self.lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-        self.lib.cudaGetErrorString.restype = ctypes.c_char_p
-        self.lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-
-    def error(self, code: int) -> str:
-        return f"{self.lib.cudaGetErrorString(code).decode()} (cudaError {code})"
-
-    def clear_sticky_error(self) -> None:
-        self.lib.cudaGetLastError()
-
-
-def _loaded_cudart() -> str | None:
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        path = line.rsplit(" ", 1)[-1]
-        if "/libcudart.so" in path:
-            return path
-    return None
-
-
-_runtime: _Runtime | None = None
-
-
-def _get_runtime() -> _Runtime:
-    global _runtime
-    if _runtime is None:
-        _runtime = _Runtime()
-    return _runtime
+PIN_FAILURES: Final = (CudaError, OSError, AttributeError)
 
 
 class PinnedRanges:
@@ -94,7 +54,7 @@ class PinnedRanges:
     def register(self, buffers: Sequence[torch.Tensor]) -> None:
         """Touch and register each uint8 buffer, large layouts on several threads (see
         ``segment.setup_groups``); all or nothing."""
-        _get_runtime()  # without CUDA this fails here, before any setup thread starts
+        cudart.runtime()  # without CUDA this fails here, before any setup thread starts
 
         def pin(index: int) -> None:
             buffer = buffers[index]
@@ -124,7 +84,7 @@ def register_range(address: int, size: int, flags: int, bases: list[int]) -> Non
     512 GiB fails), appending each registered base to ``bases`` (``list.append`` is atomic,
     so setup threads share one list); raises PinError after clearing CUDA's sticky error,
     leaving what it registered in ``bases`` for the caller to release."""
-    runtime = _get_runtime()
+    runtime = cudart.runtime()
     for start in range(0, size, MAX_REGISTER_BYTES):
         length = min(MAX_REGISTER_BYTES, size - start)
         code = runtime.lib.cudaHostRegister(address + start, length, flags)
@@ -139,7 +99,7 @@ def unregister(bases: list[int]) -> list[str]:
     the errors of those that failed (their sticky errors cleared)."""
     if not bases:
         return []
-    runtime = _get_runtime()
+    runtime = cudart.runtime()
     failures = []
     for base in bases:
         code = runtime.lib.cudaHostUnregister(base)

@@ -379,21 +379,41 @@ class _FakeStaging:
 def test_staging_made_ahead_is_taken_as_it_comes_and_never_made_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A restore starts making its staging buffers before it asks the daemon; its readers
-    then wait for those being made rather than register more of their own."""
+    """A restore starts making its staging before it asks the daemon; its first reader
+    then waits for that rather than register more of its own, and a later restore of no
+    more bytes reuses it."""
     monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
     monkeypatch.setattr(_FakeStaging, "made", 0)
     spares = reading._Spares()
-    spares.prepare(3, 1024)
-    taken = [spares.take(1024) for _ in range(3)]  # the first waits for the maker
-    assert all(taken) and _FakeStaging.made == 3
+    spares.prepare(1024)
+    spares.prepare(1024)  # one is coming already
+    taken = spares.take(1024)  # waits for the maker
+    assert taken is not None and _FakeStaging.made == 1
     assert spares.take(1024) is None  # nothing more coming: the transfer makes its own
-    assert spares.take(2048) is None  # nor of another size
     spares.keep(taken)
-    spares.prepare(3, 1024)  # enough are kept: none made
-    assert _FakeStaging.made == 3
+    spares.prepare(512)  # a buffer that large is kept: none made
+    assert _FakeStaging.made == 1
+    assert spares.take(2048) is None  # too small for a larger restore
+    assert spares.take(512) is taken
+    spares.keep(taken)
     spares.free()
-    assert all(buffer.freed for buffer in taken)
+    assert taken.freed
+
+
+def test_at_most_two_spare_staging_buffers_are_kept_the_largest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
+    spares = reading._Spares()
+    buffers = [_FakeStaging(size) for size in (1024, 4096, 2048)]
+    for buffer in buffers:
+        spares.keep(buffer)
+    deadline = time.monotonic() + 5
+    while not buffers[0].freed and time.monotonic() < deadline:
+        time.sleep(0.01)  # freed on a thread of its own
+    assert [b.freed for b in buffers] == [True, False, False]
+    assert spares.take(1) is buffers[2]  # the smallest that fits
+    spares.free()
 
 
 def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
@@ -405,7 +425,7 @@ def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
 
     monkeypatch.setattr(reading, "_HostBuffer", fail)
     spares = reading._Spares()
-    spares.prepare(2, 1024)
+    spares.prepare(1024)
     begun = time.monotonic()
     assert spares.take(1024) is None  # the transfer then makes its own, and says so
     assert time.monotonic() - begun < 1.0
