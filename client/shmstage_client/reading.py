@@ -302,7 +302,9 @@ class _Relay:
     of the piece it is about to refill.
 
     The copies are queued through ``cudart`` rather than ``Tensor.copy_``: at a few
-    thousand pieces per restore, each microsecond a copy holds the GIL counts.
+    thousand pieces per restore, each microsecond a copy holds the GIL counts. Where torch's
+    CUDA runtime is not a library ctypes can load (a build linking it statically), through
+    ``Tensor.copy_`` after all.
     """
 
     def __init__(self, share: tuple[int, int], stream: torch.cuda.Stream) -> None:
@@ -312,12 +314,18 @@ class _Relay:
         self._events: list[torch.cuda.Event | None] = [None] * PIECES
         self._turn = 0
         self._stream = stream
-        self._runtime = cudart.runtime()
+        self._runtime: cudart.Runtime | None
+        try:
+            self._runtime = cudart.runtime()
+        except (cudart.CudaError, OSError, AttributeError) as exc:
+            log.debug("queuing restore copies through torch: %s", exc)
+            self._runtime = None
 
-    def send(self, source: Source, start: int, end: int, target: int) -> memoryview:
+    def send(self, source: Source, start: int, end: int, target: torch.Tensor) -> memoryview:
         """Read bytes [start, end) of ``source`` into the next piece and queue their copy
-        to device address ``target``; returns the piece's bytes, which stay valid until the
-        reader's next send (the checksums read them while the device copies)."""
+        into ``target`` (as many bytes, on the device); returns the piece's bytes, which
+        stay valid until the reader's next send (the checksums read them while the device
+        copies)."""
         turn = self._turn
         self._turn = (turn + 1) % PIECES
         event = self._events[turn]
@@ -328,7 +336,12 @@ class _Relay:
         address = self._addresses[turn]
         piece = memoryview((ctypes.c_char * (end - start)).from_address(address))
         source.read_into(start, piece)
-        self._runtime.copy_to_device(target, address, end - start, self._stream.cuda_stream)
+        if self._runtime is not None:
+            stream = self._stream.cuda_stream
+            self._runtime.copy_to_device(target.data_ptr(), address, end - start, stream)
+        else:
+            with torch.cuda.stream(self._stream):
+                target.copy_(_as_tensor(piece), non_blocking=True)
         event.record(self._stream)
         return piece
 
@@ -445,8 +458,6 @@ class _Transfer:
         self._spans: Iterator[tuple[int, int]] = iter(())
         self._lock = threading.Lock()
         self._failed = False
-        #: The destination's device address for source byte 0.
-        self._target = 0
         #: Bytes before the restored ones in ``destination``: a device check's slack.
         self._lead = 0
 
@@ -469,7 +480,6 @@ class _Transfer:
         readers = max(1, min(self.threads, len(spans)))
         if self.cuda:
             self._staging = _Staging(readers)
-            self._target = self.destination.data_ptr() + self._lead
         try:
             if readers == 1:
                 self._read()
@@ -537,7 +547,8 @@ class _Transfer:
         parts: dict[int, list[int]] = {}
         for piece in range(start, end, relay.size):
             upto = min(piece + relay.size, end)
-            host = relay.send(self.source, piece, upto, self._target + piece)
+            target = self.destination[self._lead + piece : self._lead + upto]
+            host = relay.send(self.source, piece, upto, target)
             if self._checks is None:
                 self._checksum(piece, upto, host, parts)  # while the device copies
         if self._checks is not None:
