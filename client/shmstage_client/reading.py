@@ -270,9 +270,10 @@ class _HostBuffer:
 class _Staging:
     """The pinned memory of one transfer's readers, ``PIECES`` pieces each: one buffer,
     taken from the process's spare (made ahead by ``prepare``, or left by its last
-    transfer) or made by the first reader. One mapping registered in one call: sixteen
-    readers registering a buffer each were ~50 ms slower in a new process, as the driver
-    serialises registrations and holds up the copies meanwhile."""
+    transfer) or made by the first reader. One mapping registered in one call: with
+    sixteen readers registering a buffer each, a new process's restore was 40-50 ms
+    slower (docs/perf/pieces.txt), as the driver serialises registrations and holds up
+    the copies meanwhile."""
 
     def __init__(self, readers: int) -> None:
         self._size = readers * PIECES * PIECE
