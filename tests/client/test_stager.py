@@ -324,7 +324,9 @@ st.save({"w": torch.randn(4096)}, sys.argv[2]).wait(60)
 print("saved", flush=True)
 os._exit(0)  # no close(), no release: as if the trainer crashed
 """
-    daemon = start_daemon(tmp_path / "d", "--retain-ttl", "10")
+    # The TTL only has to outlast the verify and the load below (well under a second),
+    # which begin as soon as the crashed trainer has exited.
+    daemon = start_daemon(tmp_path / "d", "--retain-ttl", "3")
     try:
         out = subprocess.run(
             [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
