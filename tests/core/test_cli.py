@@ -24,7 +24,10 @@ from shmstage import checkpoint, instance, names, segment
 from shmstage.manifest import MANIFEST_NAME
 
 WAIT_S = 30.0
-PAUSE_S = 10  # long enough for every command below to look at the held job
+#: Long enough for every command below to look at the held job: they take about 1.2 s
+#: together on a 2-core machine, so 4 s leaves over three times that; any longer is
+#: only waited out by ``held.wait``.
+PAUSE_S = 4
 
 
 def shmstage(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
