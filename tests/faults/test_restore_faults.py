@@ -137,7 +137,9 @@ def test_latest_restores_a_checkpoint_still_being_written(daemons, tmp_path: Pat
     """Acknowledged, its writer held mid-stream, the trainer SIGKILLed: ``latest`` brings
     back the staged bytes (not the -1s the trainer wrote after save() returned), without
     checksums to check (none exist yet), and the checkpoint still completes on disk."""
-    daemon = daemons(env={"SHMSTAGE_FAULT": "pause-mid-stream:5"})
+    # Held long enough for the kill and the restore from memory below (about 0.05 s);
+    # the rest of the pause is only waited out before the checkpoint completes.
+    daemon = daemons(env={"SHMSTAGE_FAULT": "pause-mid-stream:2"})
     trainer = start_trainer(daemon.socket, tmp_path, "commit", 3)
     read_marker(trainer, "BASE")
     read_marker(trainer, "COMMITTED")
