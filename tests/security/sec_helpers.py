@@ -18,6 +18,7 @@ import contextlib
 import grp
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import shmstage_client
 
 GROUP = "shmsectrain"
 VICTIM, ATTACKER, DAEMON_USER = "shmsecvictim", "shmsecattacker", "shmsecdaemon"
@@ -70,9 +72,8 @@ def ensure_accounts() -> dict[str, User]:
 
 PRELUDE = """
 import os, sys, json, socket, struct, time, signal, shutil, threading, fcntl, mmap
-import torch, msgpack
-from shmstage_client import *
-from shmstage import protocol, segment
+import msgpack
+{client}from shmstage import protocol, segment
 from shmstage.control import ControlClient
 from shmstage.protocol import Connection, Role
 import shmstage_daemon.main  # everything is imported while still root (see above)
@@ -159,8 +160,19 @@ class Actor:
             self.kill()
 
 
+#: What code using torch, the client library or the daemon (whose lazy imports, after the
+#: uid is dropped, need these loaded) gets imported first; the rest is spared importing
+#: torch (~2.7 s a process here). Code that needs a name this leaves out fails with a
+#: NameError or an ImportError, never passes by it.
+_CLIENT_IMPORTS = "import torch\nfrom shmstage_client import *\n"
+_CLIENT_NAMES = re.compile(
+    r"\b(torch|shmstage_daemon|" + "|".join(map(re.escape, shmstage_client.__all__)) + r")\b"
+)
+
+
 def _program(user: User, code: str) -> str:
-    prelude = PRELUDE.format(groups=list(user.groups), gid=user.gid, uid=user.uid)
+    client = _CLIENT_IMPORTS if _CLIENT_NAMES.search(code) else ""
+    prelude = PRELUDE.format(groups=list(user.groups), gid=user.gid, uid=user.uid, client=client)
     return prelude + textwrap.dedent(code)
 
 
