@@ -8,13 +8,14 @@ thread, that runs at the speed of one core and of one small copy at a time (a 4 
 
 Here the source is cut into chunks of 16 MiB. Several threads each take the next chunk
 and, on the CPU, read it straight into the destination; for a device, through pinned
-memory of their own in 4 MiB pieces (``_Relay``): read a piece (for a file or the
+memory of their own in 8 MiB pieces (``_Relay``): read a piece (for a file or the
 segments' descriptors, a read; for a mapping, a memcpy), queue its copy to the device on
 one stream, checksum it while the device copies, and fill the next. The pieces are few
 and reused at once, so they stay in the processor's cache and the host reads memory once
-per byte: a restarted trainer's restore of 8 GiB from the daemon's memory went from
-2.49-2.67x the raw copy to 2.08-2.33x on one VM (alternating; docs/perf/pieces.txt),
-where 16 MiB chunks through 18 buffers had written and reread 288 MiB. The tensors come
+per byte, mostly: a restarted trainer's restore of 8 GiB from the daemon's memory went
+from 2.49-2.67x the raw copy to 2.08-2.33x on an H200 VM and from 2.51x to 2.34x on an
+H100 VM (alternating; docs/perf/pieces.txt), where 16 MiB chunks through 18 buffers had
+written and reread 288 MiB. The tensors come
 back as views of one destination buffer at their offsets (a tensor that is not aligned
 for its dtype there gets its own copy). A tensor's checksum is continued across a
 chunk's pieces and combined across chunks (``shmstage.checksums.combine``), in whatever
@@ -60,9 +61,11 @@ log = logging.getLogger("shmstage.client")
 CHUNK: Final = 16 << 20
 #: On its way to a device a chunk passes through its reader's own pinned buffer, cut in
 #: ``PIECES`` pieces of ``PIECE`` bytes: while the device copies one piece, the reader
-#: fills the next. Reused at once, 16 readers' 128 MiB stay in the processor's cache, so
-#: the device and the checksums read them there, not from memory (docs/perf/pieces.txt).
-PIECE: Final = 4 << 20
+#: fills the next. Reused at once, 16 readers' 256 MiB stay largely in the processor's
+#: cache (300 MiB on the GPU VMs), so the device and the checksums mostly read them there,
+#: not from memory. 8 MiB against 4 MiB: the same on an H200 VM, 0.385 against 0.546 s
+#: for a new process's restore of 8 GiB on an H100 VM (docs/perf/pieces.txt).
+PIECE: Final = 8 << 20
 PIECES: Final = 2
 #: Threads reading and checksumming (8 GiB: 0.46 s on 8 threads, 0.29 s on 16).
 MAX_THREADS: Final = 16
