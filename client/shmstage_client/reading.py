@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import bisect
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import os
@@ -52,7 +53,12 @@ from shmstage import hostmemory
 from shmstage.checkpoint import ChecksumError
 from shmstage.checksums import combine
 from shmstage_client import cudart, device_checksums
-from shmstage_client.pinning import PIN_FAILURES, register_range, unregister
+from shmstage_client.pinning import (
+    HOST_REGISTER_PORTABLE,
+    PIN_FAILURES,
+    register_range,
+    unregister,
+)
 
 log = logging.getLogger("shmstage.client")
 
@@ -177,9 +183,11 @@ def prepare(device: torch.device, nbytes: int | None = None) -> None:
     """Start making the staging buffers of a transfer of ``nbytes`` (None: unknown yet) to
     ``device`` now, on a thread of its own: a restore calls this before it asks the
     daemon, whose answer then hides part of registering them in a new process."""
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():  # else the transfer says why
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         readers = MAX_THREADS if nbytes is None else min(MAX_THREADS, -(-nbytes // CHUNK))
-        _SPARES.prepare(max(1, readers) * PIECES * PIECE)
+        _SPARES.prepare(max(1, readers) * PIECES * PIECE, device)
 
 
 #: Restores per device checked on the host, and how many before the device's checks are
@@ -255,7 +263,8 @@ class _HostBuffer:
 
     def _register(self) -> int:
         self._mapped = hostmemory.map_populated(self.size, huge=self.huge)  # GIL free
-        register_range(self._mapped, self.size, 0, self._bases)
+        # portable: a spare serves the process's next restore to any of its devices
+        register_range(self._mapped, self.size, HOST_REGISTER_PORTABLE, self._bases)
         return self._mapped
 
     def free(self) -> None:
@@ -377,20 +386,23 @@ class _Spares:
                     return None
                 self._cond.wait(1.0)  # the maker always ends by waking us
 
-    def prepare(self, size: int) -> None:
+    def prepare(self, size: int, device: torch.device | None = None) -> None:
         """Make a buffer of ``size`` bytes on a thread of its own, unless one that large
-        is kept or coming."""
+        is kept or coming; registered with ``device`` current (None: the thread's
+        default), not device 0's, which a new thread would otherwise give each rank of a
+        multi-GPU node a CUDA context on."""
         with self._cond:
             if self._coming or any(buffer.size >= size for buffer in self._buffers):
                 return
             self._coming = size
         threading.Thread(
-            target=self._make, args=(size,), name="shmstage-staging", daemon=True
+            target=self._make, args=(size, device), name="shmstage-staging", daemon=True
         ).start()
 
-    def _make(self, size: int) -> None:
+    def _make(self, size: int, device: torch.device | None) -> None:
         try:
-            buffer = _HostBuffer(size)
+            with contextlib.nullcontext() if device is None else torch.cuda.device(device):
+                buffer = _HostBuffer(size)
             with self._cond:
                 self._buffers.append(buffer)
         except Exception as exc:  # the transfer makes its own, and says so if it must
