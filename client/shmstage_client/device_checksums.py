@@ -83,12 +83,10 @@ def tables(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     carries = [one_byte]
     for _ in range(47):
         carries.append((carries[-1] @ carries[-1]) & 1)
-    # the CRC of a lone byte with bit k set is the register (1 << k) advanced one byte;
-    # in block position p it is carried past the BLOCK - 1 - p bytes after it
-    lone = torch.tensor(
-        [_bits(_advance_bytes(1 << k, 1)) for k in range(8)], dtype=torch.int32
-    )  # [8 bits of the byte, 32]
-    behind = lone.unsqueeze(0)  # [distance 0, 8, 32]
+    # the CRC of a lone byte with bit k set is the register (1 << k) advanced one byte
+    # (row k of one_byte); in block position p it is carried past the BLOCK - 1 - p bytes
+    # after it
+    behind = one_byte[:8].unsqueeze(0)  # [distance 0, 8 bits of the byte, 32]
     for k in range(_BLOCK_BITS):  # distances 0 .. BLOCK - 1 by doubling
         behind = torch.cat([behind, (behind @ carries[k]) & 1])
     by_position = behind.flip(0)  # position p is distance BLOCK - 1 - p

@@ -24,7 +24,6 @@ import torch
 
 from shmstage import segment
 from shmstage_client import cudart
-from shmstage_client.cudart import CudaError
 
 #: Pinned for every CUDA context in the process, not only the current device's.
 HOST_REGISTER_PORTABLE: Final = 0x01
@@ -33,13 +32,13 @@ MAX_REGISTER_BYTES: Final = 256 << 30
 _PAGE: Final = mmap.PAGESIZE
 
 
-class PinError(CudaError):
+class PinError(cudart.CudaError):
     """Registration failed; the message names the CUDA error and what happens instead."""
 
 
 #: What a pinning attempt may fail with (no libcudart, a CUDA error, a missing symbol);
 #: each means unpinned copies, never a failed save.
-PIN_FAILURES: Final = (CudaError, OSError, AttributeError)
+PIN_FAILURES: Final = (cudart.CudaError, OSError, AttributeError)
 
 
 class PinnedRanges:

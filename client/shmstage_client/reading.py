@@ -184,8 +184,7 @@ def prepare(device: torch.device, nbytes: int | None = None) -> None:
     ``device`` now, on a thread of its own: a restore calls this before it asks the
     daemon, whose answer then hides part of registering them in a new process."""
     if device.type == "cuda" and torch.cuda.is_available():  # else the transfer says why
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = device_checksums.device_key(device)  # the index its thread must use
         readers = MAX_THREADS if nbytes is None else min(MAX_THREADS, -(-nbytes // CHUNK))
         _SPARES.prepare(max(1, readers) * PIECES * PIECE, device)
 
@@ -320,19 +319,16 @@ class _Relay:
     ``Tensor.copy_`` after all.
     """
 
-    def __init__(self, share: tuple[int, int], stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self, share: tuple[int, int], stream: torch.cuda.Stream, runtime: cudart.Runtime | None
+    ) -> None:
         address, size = share
         self.size = size // PIECES
         self._addresses = [address + index * self.size for index in range(PIECES)]
         self._events: list[torch.cuda.Event | None] = [None] * PIECES
         self._turn = 0
         self._stream = stream
-        self._runtime: cudart.Runtime | None
-        try:
-            self._runtime = cudart.runtime()
-        except (cudart.CudaError, OSError, AttributeError) as exc:
-            log.debug("queuing restore copies through torch: %s", exc)
-            self._runtime = None
+        self._runtime = runtime
 
     def send(self, source: Source, start: int, end: int, target: torch.Tensor) -> memoryview:
         """Read bytes [start, end) of ``source`` into the next piece and queue their copy
@@ -357,6 +353,15 @@ class _Relay:
                 target.copy_(_as_tensor(piece), non_blocking=True)
         event.record(self._stream)
         return piece
+
+
+def _copy_runtime() -> cudart.Runtime | None:
+    """The CUDA runtime the pieces' copies are queued through; None: through torch."""
+    try:
+        return cudart.runtime()
+    except (cudart.CudaError, OSError, AttributeError) as exc:
+        log.debug("queuing restore copies through torch: %s", exc)
+        return None
 
 
 class _Spares:
@@ -472,6 +477,7 @@ class _Transfer:
         self._staging: _Staging | None = None
         self._checks: _DeviceCheck | None = None
         self._spans: Iterator[tuple[int, int]] = iter(())
+        self._runtime: cudart.Runtime | None = None
         self._lock = threading.Lock()
         self._failed = False
         #: Bytes before the restored ones in ``destination``: a device check's slack.
@@ -496,6 +502,7 @@ class _Transfer:
         readers = max(1, min(self.threads, len(spans)))
         if self.cuda:
             self._staging = _Staging(readers)
+            self._runtime = _copy_runtime()
         try:
             if readers == 1:
                 self._read()
@@ -538,7 +545,7 @@ class _Transfer:
                 return
             assert self._staging is not None and self._stream is not None
             with torch.cuda.device(self.device):  # the runtime's calls are for this device
-                relay = _Relay(self._staging.take(), self._stream)
+                relay = _Relay(self._staging.take(), self._stream, self._runtime)
                 while (span := self._next_span()) is not None:
                     self._to_device(*span, relay)
         except BaseException:
