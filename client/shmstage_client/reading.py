@@ -51,7 +51,7 @@ import torch
 
 from shmstage import hostmemory
 from shmstage.checkpoint import ChecksumError
-from shmstage.checksums import combine
+from shmstage.checksums import combine, expect_combines
 from shmstage_client import cudart, device_checksums
 from shmstage_client.pinning import (
     HOST_REGISTER_PORTABLE,
@@ -510,8 +510,13 @@ class _Transfer:
                 with concurrent.futures.ThreadPoolExecutor(
                     readers, thread_name_prefix="shmstage-restore"
                 ) as pool:
-                    for done in [pool.submit(self._read) for _ in range(readers)]:
+                    running = [pool.submit(self._read) for _ in range(readers)]
+                    if self.verify and self._checks is None:
+                        expect_combines(self._combined_lengths())  # meanwhile
+                    for done in running:
                         done.result()
+            if self.verify and self._checks is None:
+                self._check()  # while the device copies the last pieces
         finally:
             if self._checks is not None:
                 self._checks.close()
@@ -522,10 +527,8 @@ class _Transfer:
         if self._checks is not None:
             for placement, actual in self._checks.results():
                 self._compare(placement, actual)
-        elif self.verify:
-            self._check()
-            if self.cuda and DEVICE_CHECKSUMS:
-                _count_host_checked(self.device)
+        elif self.verify and self.cuda and DEVICE_CHECKSUMS:
+            _count_host_checked(self.device)
         return {p.key: self._tensor(p) for p in self.placements}
 
     def _device_can_check(self, size: int) -> bool:
@@ -611,6 +614,23 @@ class _Transfer:
         """A chunk's parts, for ``_check`` (``list.append`` is atomic: readers share them)."""
         for index, (start, value, length) in parts.items():
             self._parts[index].append((start, value, length))
+
+    def _combined_lengths(self) -> set[int]:
+        """The lengths ``_check`` combines over: each checked tensor's bytes in every chunk
+        after its first (a chunk's length, and what its last chunk holds of it).
+
+        Worked out while the readers read: in a new process, where none was seen before,
+        the combining took 12-14 ms after the last byte of 8 GiB had arrived."""
+        lengths = set()
+        for placement in self.placements:
+            end = placement.offset + placement.nbytes
+            first_end = (placement.offset // CHUNK + 1) * CHUNK
+            if placement.crc32c is None or end <= first_end:
+                continue
+            if end - first_end > CHUNK:
+                lengths.add(CHUNK)
+            lengths.add(end - (end - 1) // CHUNK * CHUNK)
+        return lengths
 
     def _check(self) -> None:
         for placement, parts in zip(self.placements, self._parts, strict=True):

@@ -22,6 +22,7 @@ from shmstage_client import CheckpointError, ChecksumError, Stager, latest, load
 from shmstage_client.dcp import ShmStageReader, ShmStageWriter
 from shmstage_client.reading import FileSource, MappedSource, Placement, transfer
 
+from shmstage import checksums
 from shmstage.manifest import MANIFEST_NAME
 
 
@@ -337,6 +338,33 @@ def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
         assert not torch.equal(unchecked["w"], CASES["w"])
     finally:
         os.close(fd)
+
+
+def test_the_combining_a_check_needs_is_worked_out_while_the_readers_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every length the end of a restore combines over was expected before (so the
+    arithmetic for it was done while the bytes were still coming)."""
+    monkeypatch.setattr(reading, "CHUNK", 4096)  # "w" spans 5 chunks, "i" 2 or 3
+    data, placements = _packed(CASES)
+    expected: set[int] = set()
+    combined: list[int] = []
+
+    def expect(lengths: set[int]) -> None:
+        expected.update(lengths)
+
+    def combine(crc_a: int, crc_b: int, len_b: int) -> int:
+        combined.append(len_b)
+        return checksums.combine(crc_a, crc_b, len_b)
+
+    monkeypatch.setattr(reading, "expect_combines", expect)
+    monkeypatch.setattr(reading, "combine", combine)
+    buffer = ctypes.create_string_buffer(data, len(data))
+    source = MappedSource(ctypes.addressof(buffer), len(data), "a test buffer")
+    got = transfer(source, placements, torch.device("cpu"), threads=3)
+    assert_same(got, CASES, key_order=False)
+    assert len(combined) >= 5 and set(combined) <= expected
+    assert 4096 in expected  # "w"'s whole chunks
 
 
 def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
