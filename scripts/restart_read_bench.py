@@ -17,7 +17,9 @@ Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
 (``SHMSTAGE_DEVICE_CHECKSUMS=1`` with the device's checks warmed up before the first
 restore, as a process has them from its third restore on);
 ``parts`` also prints the thread-seconds spent allocating staging,
-reading and checksumming (summed over the threads).
+reading and checksumming (summed over the threads); ``timeline`` when each restore got
+there, in ms from its start: its segments opened, the first reader's staging in hand, the
+first piece sent, the last, the checksums checked, the call returned.
 
     python3 scripts/restart_read_bench.py --size 8GiB --tensors 500 \\
         --variants default,torch-pinned,default+parts
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                     for index, parts in enumerate(report["parts"]):
                         shown = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                         print(f"  {variant}: restore {index + 1} thread-seconds: {shown}")
+                    for index, marks in enumerate(report["timeline"]):
+                        shown = ", ".join(f"{k} {v * 1000:.1f}" for k, v in marks.items())
+                        print(f"  {variant}: restore {index + 1} timeline (ms): {shown}")
         for variant, samples in results.items():
             fresh = statistics.median(s[0] for s in samples)
             warm = statistics.median(s[1] for s in samples)
@@ -109,7 +114,7 @@ def child(spec_path: Path, variant: str) -> int:
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the CUDA context is any restart's cost, not the restore's
     spec = json.loads(spec_path.read_text())
-    verify, parts = True, False
+    verify, parts, timeline = True, False, False
     for option in variant.split("+"):
         key, _, value = option.partition("=")
         if key == "torch-pinned":
@@ -141,26 +146,35 @@ def child(spec_path: Path, variant: str) -> int:
             reading.device_checksums.warm_up(torch.device("cuda"))
         elif key == "parts":
             parts = True
+        elif key == "timeline":
+            timeline = True
         elif key != "default":
             raise SystemExit(f"unknown variant {option!r}")
     spent: dict[str, float] = {}
     if parts:
         _time_parts(reading, spent)
+    marks: dict[str, float] = {}
+    started = [0.0]
+    if timeline:
+        _mark_timeline(reading, marks, started)
     where = zip(spec["sizes"], spec["offsets"], spec["crcs"], strict=True)
     placements = [
         reading.Placement(f"t{i}", torch.uint8, (n,), offset, n, crc)
         for i, (n, offset, crc) in enumerate(where)
     ]
-    seconds, reports = [], []
+    seconds, reports, timelines = [], [], []
     for _ in range(2):
-        begun = time.perf_counter()
+        marks.clear()
+        started[0] = begun = time.perf_counter()
         fds = [
             segment.open_fd(segment.SegmentRef(name, n), writable=False)
             for name, n in zip(spec["names"], spec["sizes"], strict=True)
         ]
+        marks["opened"] = time.perf_counter() - begun
         try:
             source = reading.SegmentSource(fds, spec["offsets"], spec["sizes"], "bench")
             reading.transfer(source, placements, torch.device("cuda"), verify=verify)
+            marks["returned"] = time.perf_counter() - begun
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - begun)
         finally:
@@ -168,8 +182,46 @@ def child(spec_path: Path, variant: str) -> int:
                 os.close(fd)
         reports.append(dict(spent))
         spent.clear()
-    print(json.dumps({"seconds": seconds, "parts": reports if parts else []}))
+        timelines.append(dict(sorted(marks.items(), key=lambda mark: mark[1])))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "parts": reports if parts else [],
+                "timeline": timelines if timeline else [],
+            }
+        )
+    )
     return 0
+
+
+def _mark_timeline(reading: Any, marks: dict[str, float], started: list[float]) -> None:
+    """Record in ``marks`` when (seconds after ``started[0]``) each restore first, or
+    last, got past its parts."""
+
+    def marked(
+        fn: Callable[..., Any], before: str | None, after: str | None, first: bool
+    ) -> Callable[..., Any]:
+        def mark(name: str) -> None:
+            if first:
+                marks.setdefault(name, time.perf_counter() - started[0])
+            else:
+                marks[name] = time.perf_counter() - started[0]
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                mark(before)
+            result = fn(*args, **kwargs)
+            if after:
+                mark(after)
+            return result
+
+        return wrapper
+
+    reading._Staging.take = marked(reading._Staging.take, None, "staging", True)
+    reading._Relay.send = marked(reading._Relay.send, "first piece", None, True)
+    reading._Relay.send = marked(reading._Relay.send, None, "last piece", False)
+    reading._Transfer._check = marked(reading._Transfer._check, None, "checked", False)
 
 
 def _time_parts(reading: Any, spent: dict[str, float]) -> None:
