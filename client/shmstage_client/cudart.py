@@ -74,6 +74,10 @@ def _loaded_cudart() -> str | None:
     return None
 
 
+#: What a call through this module may fail with: a CUDA error, no loadable libcudart, a
+#: symbol the library lacks.
+UNAVAILABLE: Final = (CudaError, OSError, AttributeError)
+
 _runtime: Runtime | None = None
 _lock = threading.Lock()
 

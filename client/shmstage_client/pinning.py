@@ -38,7 +38,7 @@ class PinError(cudart.CudaError):
 
 #: What a pinning attempt may fail with (no libcudart, a CUDA error, a missing symbol);
 #: each means unpinned copies, never a failed save.
-PIN_FAILURES: Final = (cudart.CudaError, OSError, AttributeError)
+PIN_FAILURES: Final = cudart.UNAVAILABLE
 
 
 class PinnedRanges:

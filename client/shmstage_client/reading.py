@@ -359,7 +359,7 @@ def _copy_runtime() -> cudart.Runtime | None:
     """The CUDA runtime the pieces' copies are queued through; None: through torch."""
     try:
         return cudart.runtime()
-    except (cudart.CudaError, OSError, AttributeError) as exc:
+    except cudart.UNAVAILABLE as exc:
         log.debug("queuing restore copies through torch: %s", exc)
         return None
 
@@ -500,6 +500,7 @@ class _Transfer:
         spans = [(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)]
         self._spans = iter(spans)
         readers = max(1, min(self.threads, len(spans)))
+        on_host = self.verify and self._checks is None  # checked here, not on the device
         if self.cuda:
             self._staging = _Staging(readers)
             self._runtime = _copy_runtime()
@@ -511,11 +512,11 @@ class _Transfer:
                     readers, thread_name_prefix="shmstage-restore"
                 ) as pool:
                     running = [pool.submit(self._read) for _ in range(readers)]
-                    if self.verify and self._checks is None:
+                    if on_host:
                         expect_combines(self._combined_lengths())  # meanwhile
                     for done in running:
                         done.result()
-            if self.verify and self._checks is None:
+            if on_host:
                 self._check()  # while the device copies the last pieces
         finally:
             if self._checks is not None:
