@@ -28,8 +28,8 @@ if [[ ! -e $stamp ]]; then
   say "installing shmstage, shmstaged and the client (editable), torch $(grep -o '^torch==.*' constraints.txt | cut -d= -f3) (CPU), matplotlib — about a minute the first time"
   quiet "${pip[@]}" -e . -e daemon -e "client[bench]"
   if (( want_test )); then
-    say "installing the test tools: pytest, safetensors, hypothesis, ruff, atheris"
-    quiet "${pip[@]}" pytest pytest-timeout safetensors hypothesis ruff
+    say "installing the test tools: pytest, pytest-xdist, safetensors, hypothesis, ruff, atheris"
+    quiet "${pip[@]}" pytest pytest-timeout pytest-xdist safetensors hypothesis ruff
     # atheris (the coverage-guided protocol fuzzer) only from a binary wheel: building it
     # needs clang/libFuzzer; without it that one fuzz test skips, hypothesis still runs.
     quiet "${pip[@]}" --only-binary=atheris atheris ||
