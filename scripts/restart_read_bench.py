@@ -15,8 +15,9 @@ Variants (comma list; ``+`` combines): ``default``; ``torch-pinned`` (staging in
 (``sys.setswitchinterval(S)``: how much the readers' threads wait for the GIL);
 ``no-verify``; ``host-checks`` (checksums on the host, never the device); ``device-checks``
 (``SHMSTAGE_DEVICE_CHECKSUMS=1`` with the device's checks warmed up before the first
-restore, as a process has them from its third restore on);
-``parts`` also prints the thread-seconds spent allocating staging,
+restore, as a process has them from its third restore on); ``code=DIR`` (the client
+from DIR, say an older commit's ``client/`` unpacked there: an A/B on one machine, its
+variants alternating); ``parts`` also prints the thread-seconds spent allocating staging,
 reading and checksumming (summed over the threads); ``timeline`` when each restore got
 there, in ms from its start: its segments opened, the first reader's staging in hand, the
 first piece sent, the last, the checksums checked, the call returned.
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def child(spec_path: Path, variant: str) -> int:
     """A new process: restore the staged layout twice, as the variant says."""
+    for option in variant.split("+"):
+        if option.startswith("code="):  # before the client is imported
+            sys.path.insert(0, option.partition("=")[2])
     import torch
     from shmstage_client import reading
     from shmstage_client.pinning import PinError
@@ -148,7 +152,7 @@ def child(spec_path: Path, variant: str) -> int:
             parts = True
         elif key == "timeline":
             timeline = True
-        elif key != "default":
+        elif key != "default" and key != "code":
             raise SystemExit(f"unknown variant {option!r}")
     spent: dict[str, float] = {}
     if parts:
