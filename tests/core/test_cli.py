@@ -63,6 +63,7 @@ def fake_dead_instance(segments: int) -> tuple[str, list[str]]:
     return dead, [segment.create(dead, 4096).name for _ in range(segments)]
 
 
+@pytest.mark.node_wide
 def test_status_ls_gc_and_metrics_against_a_live_daemon_with_two_clients(
     paused_daemon: RunningDaemon, ckpt: Path
 ) -> None:

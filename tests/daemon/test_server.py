@@ -274,6 +274,7 @@ def test_a_second_daemon_refuses_a_live_socket_and_leaves_nothing_behind(
     assert left == set(), left
 
 
+@pytest.mark.node_wide
 def test_segments_of_a_killed_daemon_are_reaped_by_the_next(tmp_path: Path, ckpt: Path) -> None:
     first = start_daemon(tmp_path / "one")
     stager = Stager(first.socket, slots=2)

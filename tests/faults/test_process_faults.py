@@ -119,6 +119,7 @@ def assert_retained(daemon, path: Path, state: object) -> None:
 # -- the daemon dies -------------------------------------------------------------------
 
 
+@pytest.mark.node_wide
 def test_daemon_killed_during_registration(daemons, tmp_path: Path) -> None:
     """(d) SIGKILL while the daemon creates a layout's segments: the client hears it at
     once, nothing is published, and the next start reaps the half-made layout."""
@@ -306,6 +307,7 @@ def test_a_stop_past_its_timeout_keeps_the_checkpoint_for_the_next_start(
     wait_for(lambda: instance_clean(daemon.instance), 10, "the dead instance to be reaped")
 
 
+@pytest.mark.node_wide
 def test_other_daemons_never_reap_what_a_journal_still_owes(daemons, tmp_path: Path) -> None:
     """A daemon on another socket starting while the killed one is down must leave the
     owed job's segments alone; the killed daemon's successor then finishes the job."""
