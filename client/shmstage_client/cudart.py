@@ -4,7 +4,7 @@ Through ctypes, for two reasons. Failures torch does not expose: a failed
 ``cudaHostRegister`` leaves a sticky error that the next unrelated torch CUDA call would
 report as its own, so it is cleared here (``cudaGetLastError``) and turned into an
 exception that names the call. And cost: a restore queues one host-to-device copy per
-4 MiB piece, thousands of them from 16 threads, and every microsecond a copy holds the
+16 MiB piece, hundreds of them from 16 threads, and every microsecond a copy holds the
 GIL is a microsecond no other reader runs Python. ``Tensor.copy_`` from a buffer holds it
 for the tensor views, the stream context and the dispatch; a ctypes call converts three
 integers and releases it while the driver queues the copy.

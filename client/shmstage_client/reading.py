@@ -7,15 +7,16 @@ thread, that runs at the speed of one core and of one small copy at a time (a 4 
 ``load()`` reached 4 GB/s to an H200).
 
 Here the source is cut into chunks of 16 MiB. Several threads each take the next chunk
-and, on the CPU, read it straight into the destination; for a device, through pinned
-memory of their own in 8 MiB pieces (``_Relay``): read a piece (for a file or the
-segments' descriptors, a read; for a mapping, a memcpy), queue its copy to the device on
-one stream, checksum it while the device copies, and fill the next. The pieces are few
-and reused at once, so they stay in the processor's cache and the host reads memory once
-per byte, mostly: a restarted trainer's restore of 8 GiB from the daemon's memory went
-from 2.49-2.67x the raw copy to 2.08-2.33x on an H200 VM and from 2.51x to 2.34x on an
-H100 VM (alternating; docs/perf/pieces.txt), where 16 MiB chunks through 18 buffers had
-written and reread 288 MiB. The tensors come
+and, on the CPU, read it straight into the destination; for a device, through a pinned
+piece of its own (``_Relay``): read the chunk into it (for a file or the segments'
+descriptors, a read; for a mapping, a memcpy), queue its copy to the device on one
+stream, checksum it while the device copies, and wait for that copy only when the piece
+is next refilled (the other readers' pieces keep the device busy meanwhile). The pieces
+are few and reused at once, so they stay in the processor's cache and the host reads
+memory once per byte, mostly: a restarted trainer's restore of 8 GiB from the daemon's
+memory went from 2.49-2.67x the raw copy to 2.08-2.33x on an H200 VM and from 2.51x to
+2.34x on an H100 VM (alternating; docs/perf/pieces.txt), where 16 MiB chunks through 18
+buffers had written and reread 288 MiB. The tensors come
 back as views of one destination buffer at their offsets (a tensor that is not aligned
 for its dtype there gets its own copy). A tensor's checksum is continued across a
 chunk's pieces and combined across chunks (``shmstage.checksums.combine``), in whatever
@@ -66,13 +67,16 @@ log = logging.getLogger("shmstage.client")
 #: combined from.
 CHUNK: Final = 16 << 20
 #: On its way to a device a chunk passes through its reader's own pinned buffer, cut in
-#: ``PIECES`` pieces of ``PIECE`` bytes: while the device copies one piece, the reader
-#: fills the next. Reused at once, 16 readers' 256 MiB stay largely in the processor's
-#: cache (300 MiB on the GPU VMs), so the device and the checksums mostly read them there,
-#: not from memory. 8 MiB against 4 MiB: the same on an H200 VM, 0.385 against 0.546 s
-#: for a new process's restore of 8 GiB on an H100 VM (docs/perf/pieces.txt).
-PIECE: Final = 8 << 20
-PIECES: Final = 2
+#: ``PIECES`` pieces of ``PIECE`` bytes that take turns. Reused at once, 16 readers'
+#: 256 MiB stay largely in the processor's cache (300 MiB on the GPU VMs), so the device
+#: and the checksums mostly read them there, not from memory. Each piece costs a read, a
+#: queued copy, an event and a wait that the 16 readers' threads serialise on: one piece
+#: of a whole chunk, 512 copies for 8 GiB, beat two of 8 MiB each on an H200 VM (warm
+#: files 0.316-0.347 s against 0.436-0.468, from memory 0.291-0.311 against 0.366-0.454,
+#: a restart 0.346-0.385 against 0.384-0.393), and pieces of 4 MiB lost by 0.1 s
+#: (docs/perf/pieces.txt).
+PIECE: Final = 16 << 20
+PIECES: Final = 1
 #: Threads reading and checksumming (8 GiB: 0.46 s on 8 threads, 0.29 s on 16).
 MAX_THREADS: Final = 16
 #: Staging buffers kept for this process's next restores (each a transfer's, one share
@@ -310,13 +314,13 @@ class _Staging:
 
 class _Relay:
     """One reader's share of the staging, cut in ``PIECES`` pieces that take turns: the
-    reader fills one while the device copies the others, and waits only for the copy out
-    of the piece it is about to refill.
+    reader waits only for the copy out of the piece it is about to refill (with one
+    piece, for its own last copy, while the other readers' copies keep the device busy).
 
-    The copies are queued through ``cudart`` rather than ``Tensor.copy_``: at a few
-    thousand pieces per restore, each microsecond a copy holds the GIL counts. Where torch's
-    CUDA runtime is not a library ctypes can load (a build linking it statically), through
-    ``Tensor.copy_`` after all.
+    The copies are queued through ``cudart`` rather than ``Tensor.copy_``: at hundreds
+    of pieces per restore from 16 threads, each microsecond a copy holds the GIL counts.
+    Where torch's CUDA runtime is not a library ctypes can load (a build linking it
+    statically), through ``Tensor.copy_`` after all.
     """
 
     def __init__(
