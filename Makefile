@@ -6,7 +6,7 @@ demo:
 	scripts/demo.sh $(if $(KEEP),--keep)
 
 # Two workers: most tests wait on real daemons and subprocesses, so two nearly halve the
-# wall clock even on a 2-core machine (8.4 -> 4.2 min). Every test has its own daemon
+# wall clock even on a 2-core machine (8.4 -> 4.5 min). Every test has its own daemon
 # instance, socket and directories; the few that look at node-wide leftovers (marked
 # node_wide) run afterwards, alone.
 test:

@@ -152,7 +152,7 @@ def child(spec_path: Path, variant: str) -> int:
             parts = True
         elif key == "timeline":
             timeline = True
-        elif key != "default" and key != "code":
+        elif key not in ("default", "code"):
             raise SystemExit(f"unknown variant {option!r}")
     spent: dict[str, float] = {}
     if parts:
