@@ -9,6 +9,7 @@ with Stager() as stager:
     # the next forward and backward, and the optimizer's step waits for it
     handle.wait()                                                      # durable
 state = load("/ckpt/step-1000")         # from shmstaged's memory when it still holds it
+prepare_restore("cuda")                  # first thing in a restart script: staging made meanwhile
 restored = latest(device="cuda")         # after a crash: the newest checkpoint, no path needed
 """
 
@@ -29,7 +30,7 @@ from shmstage_client.errors import (
 from shmstage_client.guard import Guard
 from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.loading import load
-from shmstage_client.restoring import Restored, latest, restore
+from shmstage_client.restoring import Restored, latest, prepare_restore, restore
 from shmstage_client.staged import Staged
 from shmstage_client.stager import Stager
 
@@ -58,5 +59,6 @@ __all__ = [
     "UnsupportedValue",
     "latest",
     "load",
+    "prepare_restore",
     "restore",
 ]

@@ -183,14 +183,28 @@ def _pread_exactly(fd: int, buffer: memoryview, offset: int, where: str) -> None
         done += got
 
 
-def prepare(device: torch.device, nbytes: int | None = None) -> None:
+def prepare(device: torch.device, nbytes: int | None = None, *, keep: float | None = None) -> None:
     """Start making the staging buffers of a transfer of ``nbytes`` (None: unknown yet) to
-    ``device`` now, on a thread of its own: a restore calls this before it asks the
-    daemon, whose answer then hides part of registering them in a new process."""
+    ``device`` now, on a thread of its own, kept for a restore for ``keep`` seconds (None:
+    ``KEEP_STAGING_S``): a restore calls this before it asks the daemon, whose answer then
+    hides part of registering them in a new process; a restart script calls it at its
+    start (``restoring.prepare_restore``), before CUDA is even initialised."""
     if device.type == "cuda" and torch.cuda.is_available():  # else the transfer says why
-        device = device_checksums.device_key(device)  # the index its thread must use
         readers = MAX_THREADS if nbytes is None else min(MAX_THREADS, -(-nbytes // CHUNK))
-        _SPARES.prepare(max(1, readers) * PIECES * PIECE, device)
+        _SPARES.prepare(max(1, readers) * PIECES * PIECE, _registering(device), keep)
+
+
+def _registering(device: torch.device) -> torch.device | None:
+    """The device whose context registers staging made ahead: ``device`` with its index,
+    never device 0 by default (a new thread's), which would give each rank of a
+    multi-GPU node a context there. A bare "cuda" is the current device once this process
+    initialised CUDA, else its only device; None while that is unknown (several devices,
+    none chosen yet): the transfer's first reader registers the buffer then."""
+    if device.index is not None:
+        return device
+    if torch.cuda.is_initialized():
+        return device_checksums.device_key(device)
+    return torch.device("cuda", 0) if torch.cuda.device_count() == 1 else None
 
 
 #: Restores per device checked on the host, and how many before the device's checks are
@@ -251,24 +265,38 @@ class _HostBuffer:
     fails, torch's pinned memory instead.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, device: torch.device | None = None, *, pin: bool = True) -> None:
         self.size = size
         self.huge = HUGE_STAGING and hostmemory.huge_pages_to_spare(size)
         self._bases: list[int] = []
-        self._mapped = 0
         self._tensor: torch.Tensor | None = None
-        try:
-            self.address = self._register()
-        except PIN_FAILURES:
-            self._free_map()
-            self._tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.address = self._tensor.data_ptr()
+        self.pinned = False
+        try:  # faulted in first: that needs no CUDA context, so a new process's can come
+            self._mapped = hostmemory.map_populated(size, huge=self.huge)  # GIL free
+        except OSError as exc:
+            log.debug("staging in torch's pinned memory: %s", exc)
+            self._mapped = 0
+        self.address = self._mapped
+        if pin:
+            self.pin(device)
 
-    def _register(self) -> int:
-        self._mapped = hostmemory.map_populated(self.size, huge=self.huge)  # GIL free
-        # portable: a spare serves the process's next restore to any of its devices
-        register_range(self._mapped, self.size, HOST_REGISTER_PORTABLE, self._bases)
-        return self._mapped
+    def pin(self, device: torch.device | None = None) -> None:
+        """Register the memory with CUDA, in ``device``'s context (None: the calling
+        thread's current device), once; where that fails, torch's pinned memory instead."""
+        if self.pinned:
+            return
+        with contextlib.nullcontext() if device is None else torch.cuda.device(device):
+            if self._mapped:
+                try:
+                    # portable: a spare serves the process's next restore to any device
+                    register_range(self._mapped, self.size, HOST_REGISTER_PORTABLE, self._bases)
+                    self.pinned = True
+                    return
+                except PIN_FAILURES:
+                    self._free_map()
+            self._tensor = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
+            self.address = self._tensor.data_ptr()
+            self.pinned = True
 
     def free(self) -> None:
         """Give the memory back, once the device is done with it."""
@@ -301,6 +329,7 @@ class _Staging:
         with self._lock:  # the others wait for the first to make the buffer
             if self._buffer is None:
                 self._buffer = _SPARES.take(self._size) or _HostBuffer(self._size)
+                self._buffer.pin()  # made ahead before this process had chosen a device
             share, self._taken = self._taken, self._taken + 1
             return self._buffer.address + share * PIECES * PIECE, PIECES * PIECE
 
@@ -395,23 +424,24 @@ class _Spares:
                     return None
                 self._cond.wait(1.0)  # the maker always ends by waking us
 
-    def prepare(self, size: int, device: torch.device | None = None) -> None:
+    def prepare(
+        self, size: int, device: torch.device | None = None, keep: float | None = None
+    ) -> None:
         """Make a buffer of ``size`` bytes on a thread of its own, unless one that large
-        is kept or coming; registered with ``device`` current (None: the thread's
-        default), not device 0's, which a new thread would otherwise give each rank of a
-        multi-GPU node a CUDA context on."""
+        is kept or coming, and keep it ``keep`` seconds for a restore to take: faulted in
+        first, then registered in ``device``'s context (None: left for the transfer's
+        reader to register, see ``_registering``)."""
         with self._cond:
             if self._coming or any(buffer.size >= size for buffer in self._buffers):
                 return
             self._coming = size
         threading.Thread(
-            target=self._make, args=(size, device), name="shmstage-staging", daemon=True
+            target=self._make, args=(size, device, keep), name="shmstage-staging", daemon=True
         ).start()
 
-    def _make(self, size: int, device: torch.device | None) -> None:
+    def _make(self, size: int, device: torch.device | None, keep: float | None) -> None:
         try:
-            with contextlib.nullcontext() if device is None else torch.cuda.device(device):
-                buffer = _HostBuffer(size)
+            buffer = _HostBuffer(size, device, pin=device is not None)
             with self._cond:
                 self._buffers.append(buffer)
         except Exception as exc:  # the transfer makes its own, and says so if it must
@@ -420,7 +450,7 @@ class _Spares:
             with self._cond:
                 self._coming = 0
                 self._cond.notify_all()
-                self._expire_later()
+                self._expire_later(keep)
 
     def keep(self, buffer: _HostBuffer) -> None:
         with self._cond:
@@ -431,11 +461,11 @@ class _Spares:
             self._expire_later()
         _free_soon(excess)
 
-    def _expire_later(self) -> None:
+    def _expire_later(self, seconds: float | None = None) -> None:
         """(Re)start the countdown after which the buffers go (under the lock)."""
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = threading.Timer(KEEP_STAGING_S, self.free)
+        self._timer = threading.Timer(KEEP_STAGING_S if seconds is None else seconds, self.free)
         self._timer.daemon = True
         self._timer.start()
 

@@ -371,6 +371,7 @@ def test_restore_scenario_every_row_and_the_restart_after_sigkill(tmp_path: Path
     )
     rows = report.rows_by_name(rep, "restore")
     restart = "restart: latest() after SIGKILL"
+    prepared = "restart: prepare_restore() at start-up, latest()"
     assert list(rows) == [
         "raw pinned host-to-device copy (limit)",
         "disk read limit (fastest cold read)",
@@ -378,19 +379,24 @@ def test_restore_scenario_every_row_and_the_restart_after_sigkill(tmp_path: Path
         "load() from files, warm cache",
         "load() from daemon memory",
         restart,
+        prepared,
     ]
     assert_ok(rows, *rows)
-    for name in ("load() from files, cold cache", "load() from daemon memory", restart):
+    for name in ("load() from files, cold cache", "load() from daemon memory", restart, prepared):
         assert rows[name]["bit_exact"] is True and rows[name]["vs_h2d"] > 0
     assert "posix_fadvise(DONTNEED)" in rows["load() from files, cold cache"]["note"]
     assert rows["load() from files, warm cache"]["source"] == "files"
     assert rows["load() from daemon memory"]["source"] == "memory"
     # The killed trainer's checkpoint came back from the daemon's memory, without a path,
     # and the restarted trainer's first save created no segment: it adopted them.
-    assert rows[restart]["source"] == "memory" and rows[restart]["path_matches"] is True
-    assert rows[restart]["segments_created"] == 0
-    # Both are medians: of two restores in the bench's process, of two new processes.
-    for name in ("load() from daemon memory", restart):
+    for name in (restart, prepared):
+        assert rows[name]["source"] == "memory" and rows[name]["path_matches"] is True
+        assert rows[name]["startup_s"] >= 0
+    assert rows[prepared]["note"].startswith("median of 2 (")
+    assert "prepare_restore() first" in rows[prepared]["note"]
+    assert rows[prepared]["segments_created"] == 0
+    # All are medians: of two restores in the bench's process, of two new processes each.
+    for name in ("load() from daemon memory", restart, prepared):
         assert len(rows[name]["samples"]) == 2 and rows[name]["seconds"] == min(
             rows[name]["samples"]
         )

@@ -7,6 +7,8 @@ These run only where CUDA is present (the GPU machine); everywhere else they are
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -416,10 +418,10 @@ def test_back_to_back_restores_reuse_their_staging_and_free_it_when_idle(
     reading._SPARES.free()
     if not registered:
 
-        def refuse(self: reading._HostBuffer) -> int:
+        def refuse(*args: object) -> None:
             raise PinError("refused by the test")
 
-        monkeypatch.setattr(reading._HostBuffer, "_register", refuse)
+        monkeypatch.setattr(reading, "register_range", refuse)
     state = _gpu_state()
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "c").wait(120)
@@ -435,3 +437,43 @@ def test_back_to_back_restores_reuse_their_staging_and_free_it_when_idle(
             # the freed addresses are mapped again and registered anew
             assert_same(load(ckpt / "c", device="cuda", socket=daemon.socket), state)
     assert torch.ones(1, device="cuda").item() == 1.0
+
+
+_PREPARED_RESTART = """
+import sys, threading, torch
+from shmstage_client import latest, prepare_restore, reading
+made = []
+class Counted(reading._HostBuffer):
+    def __init__(self, *args, **kwargs):
+        made.append(threading.current_thread().name)
+        super().__init__(*args, **kwargs)
+reading._HostBuffer = Counted
+assert not torch.cuda.is_initialized()
+prepare_restore("cuda")
+torch.cuda.init()
+torch.empty(1, device="cuda")
+restored = latest(device="cuda", socket=sys.argv[1])
+torch.save({key: value.cpu() for key, value in restored.state.items()}, sys.argv[2])
+print(restored.source, restored.verified, ",".join(made))
+"""
+
+
+def test_a_restart_that_prepares_first_restores_through_the_staging_made_meanwhile(
+    daemon, ckpt: Path
+) -> None:
+    """A restart script calls ``prepare_restore`` before CUDA is initialised: its staging
+    is faulted in meanwhile and registered once there is a context, and ``latest()``
+    takes it instead of making its own, bit-exact and verified."""
+    state = _gpu_state()
+    with Stager(daemon.socket) as stager:
+        stager.save(state, ckpt / "c").wait(120)
+    out = ckpt / "restored.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", _PREPARED_RESTART, str(daemon.socket), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["memory", "True", "shmstage-staging"]
+    assert_same({k: v.cuda() for k, v in torch.load(out).items()}, state)

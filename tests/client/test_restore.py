@@ -11,6 +11,8 @@ import ctypes
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import assert_same
-from shmstage_client import CheckpointError, ChecksumError, Stager, latest, load, reading, restore
+from shmstage_client import (
+    CheckpointError,
+    ChecksumError,
+    Stager,
+    latest,
+    load,
+    prepare_restore,
+    reading,
+    restore,
+    restoring,
+)
 from shmstage_client.dcp import ShmStageReader, ShmStageWriter
 from shmstage_client.reading import FileSource, MappedSource, Placement, transfer
 
@@ -395,10 +407,15 @@ class _FakeStaging:
 
     made = 0
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, device: object = None, *, pin: bool = True) -> None:
         time.sleep(0.05)
-        self.size, self.freed = size, False
+        self.size, self.freed, self.pinned_with = size, False, [device] if pin else []
+        self.address = 0
         type(self).made += 1
+
+    def pin(self, device: object = None) -> None:
+        if not self.pinned_with:
+            self.pinned_with.append(device)
 
     def free(self) -> None:
         self.freed = True
@@ -447,7 +464,7 @@ def test_at_most_two_spare_staging_buffers_are_kept_the_largest(
 def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def fail(size: int) -> None:
+    def fail(size: int, *args: object, **kwargs: object) -> None:
         time.sleep(0.05)
         raise RuntimeError("CUDA error: out of memory")
 
@@ -457,3 +474,73 @@ def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
     begun = time.monotonic()
     assert spares.take(1024) is None  # the transfer then makes its own, and says so
     assert time.monotonic() - begun < 1.0
+
+
+def test_staging_made_ahead_is_kept_as_long_as_asked_then_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``prepare_restore`` asks for: a restart script's start-up can outlast the
+    minute a transfer's spare is kept, so its buffer waits for ``keep`` seconds instead."""
+    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
+    monkeypatch.setattr(reading, "KEEP_STAGING_S", 0.1)
+    spares = reading._Spares()
+    spares.prepare(1024, keep=1.0)
+    made = spares.take(1024)
+    assert made is not None
+    spares.keep(made)  # given back by a transfer: the usual (here 0.1 s) countdown
+    time.sleep(0.5)
+    assert made.freed
+    spares.prepare(1024, keep=1.0)
+    time.sleep(0.5)  # longer than KEEP_STAGING_S, shorter than keep
+    kept = spares.take(1024)
+    assert kept is not None and not kept.freed
+    spares.keep(kept)
+    spares.free()
+
+
+def test_staging_made_before_the_device_is_known_is_pinned_by_the_reader_that_takes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a node of several GPUs a bare "cuda" names no device before the process picks
+    one, so the buffer made ahead is only faulted in; the first reader, which runs with
+    the transfer's device current, registers it."""
+    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
+    monkeypatch.setattr(_FakeStaging, "made", 0)
+    monkeypatch.setattr(reading, "_SPARES", reading._Spares())
+    reading._SPARES.prepare(reading.PIECES * reading.PIECE * 2, None)
+    staging = reading._Staging(2)
+    staging.take()
+    staging.take()
+    buffer = staging._buffer
+    assert isinstance(buffer, _FakeStaging) and buffer.pinned_with == [None]
+    assert _FakeStaging.made == 1  # the one made ahead, taken
+    staging.close()
+    reading._SPARES.free()
+
+
+def test_prepare_restore_refuses_a_keep_that_is_not_seconds() -> None:
+    for keep in (0, -1.0, float("inf"), float("nan"), "60"):
+        with pytest.raises(ValueError, match=r"prepare_restore\(keep="):
+            prepare_restore("cpu", keep=keep)  # type: ignore[arg-type]
+
+
+def test_prepare_restore_grows_a_new_processs_descriptor_table_for_a_lease() -> None:
+    """A new process's table holds 64 descriptors; a lease brings hundreds, and growing
+    the table of a threaded process waits for an RCU grace period: done ahead, on a
+    thread, so the restore finds the room made."""
+    script = (
+        "import time\n"
+        "from shmstage import descriptors\n"
+        "from shmstage_client import prepare_restore, restoring\n"
+        "before, enough = descriptors.table_size(), restoring.LEASE_SEGMENTS\n"
+        "prepare_restore('cpu')\n"
+        "deadline = time.monotonic() + 10\n"
+        "while descriptors.table_size() < enough and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print(before, descriptors.table_size())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    before, after = map(int, run.stdout.split())
+    assert before < restoring.LEASE_SEGMENTS <= after

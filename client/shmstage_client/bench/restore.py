@@ -226,18 +226,33 @@ def restart_trainer(job: RestoreJob) -> None:
     time.sleep(600)  # until SIGKILLed: the parent's deadline ends this either way
 
 
-def restart_restore(job: RestoreJob, save: bool) -> dict[str, Any]:
+def restart_restore(job: RestoreJob, save: bool, prepared: bool = False) -> dict[str, Any]:
     """The new process: restore the killed trainer's newest checkpoint to the device with
     ``latest()`` (no path), check it, and with ``save`` save it once as the restarted
-    trainer would."""
+    trainer would. ``prepared``: as the README's restart script does, call
+    ``prepare_restore`` first, before CUDA is initialised. Initialising CUDA is any
+    restart's cost, not the restore's: it is timed apart (``startup_s``), with the
+    ``prepare_restore`` call, so that what the staging made meanwhile costs the start-up
+    shows."""
     from shmstage_client import latest
 
     device = torch.device(job.spec.device)
+    started = time.perf_counter()
+    if prepared:
+        try:
+            from shmstage_client import prepare_restore
+        except ImportError:  # an older client, compared with --code: restores unprepared
+            prepared = False
+        else:
+            prepare_restore(device)
     if device.type == "cuda":
-        torch.cuda.init()  # the CUDA context is any restart's cost, not the restore's
+        torch.cuda.init()
         torch.empty(1, device=device)
+    startup = time.perf_counter() - started
     seconds, out = _timed(lambda: latest(device=device, socket=job.socket), device)
-    row = _restore_row(seconds, out, job.spec.build(), "latest(device=...)")
+    note = "prepare_restore() first, then latest(device=...)" if prepared else "latest(device=...)"
+    row = _restore_row(seconds, out, job.spec.build(), note)
+    row["startup_s"] = startup
     row["path_matches"] = out.path is not None and out.path.name == job.checkpoint.name
     if not save:
         return row
@@ -254,12 +269,19 @@ def restart_restore(job: RestoreJob, save: bool) -> dict[str, Any]:
     return row
 
 
-def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, Any]:
-    """Trainer saves and is SIGKILLed once durable; new processes restore, one by one."""
+def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str, dict[str, Any]]:
+    """Trainer saves and is SIGKILLed once durable; new processes restore, one by one,
+    alternately as they come and with ``prepare_restore`` first: the rows "restart" and
+    "restart-prepared" (or one row "restart" saying why there are none)."""
     try:
         child = session.child("restart-trainer", restart_trainer, (job,))
     except Exception as exc:
-        return {"status": "error", "error": f"trainer not started: {describe_exception(exc)}"}
+        return {
+            "restart": {
+                "status": "error",
+                "error": f"trainer not started: {describe_exception(exc)}",
+            }
+        }
     try:
         acknowledged = child.next_message(session.part_timeout(timeout))
         durable = child.next_message(session.part_timeout(timeout))
@@ -267,30 +289,37 @@ def _restart(session: BenchSession, job: RestoreJob, timeout: float) -> dict[str
         session.log("restart-trainer: SIGKILLed after its checkpoint was durable")
     except RuntimeError as exc:
         child.kill()
-        return {"status": "error", "error": f"trainer: {exc}", "traceback": child.follower.text()}
+        error = {"status": "error", "error": f"trainer: {exc}", "traceback": child.follower.text()}
+        return {"restart": error}
     finally:
         child.close()
-    samples = []
+    samples: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     count = max(1, job.restores)
-    for index in range(count):  # each a new process; the last saves once more
+    for index in range(2 * count):  # new processes, alternating; the last saves once more
+        prepared = index % 2 == 1
         outcome = session.run(
-            "restart-restore", restart_restore, (job, index == count - 1), timeout
+            "restart-restore", restart_restore, (job, index == 2 * count - 1, prepared), timeout
         )
         if not outcome.ok:
-            return {
+            error = {
                 "status": "error",
-                "error": f"restore {index + 1} of {count}: {outcome.error}",
+                "error": f"restore {index + 1} of {2 * count}: {outcome.error}",
                 "traceback": outcome.traceback or outcome.log_tail,
             }
-        samples.append(outcome.value)
-    row = _median_row(samples)
-    row["path_matches"] = all(sample["path_matches"] for sample in samples)
-    for key in ("first_save_stall_s", "segments_created"):
-        if key in samples[-1]:
-            row[key] = samples[-1][key]
-    row["trainer_stall_s"] = acknowledged.get("stall_s")
-    row["trainer_durable_s"] = durable.get("durable_s")
-    return row
+            return {"restart": error}
+        samples[prepared].append(outcome.value)
+    rows = {}
+    for prepared, kept in samples.items():
+        row = _median_row(kept)
+        row["path_matches"] = all(sample["path_matches"] for sample in kept)
+        row["startup_s"] = statistics.median(sample["startup_s"] for sample in kept)
+        for key in ("first_save_stall_s", "segments_created"):
+            if key in kept[-1]:
+                row[key] = kept[-1][key]
+        row["trainer_stall_s"] = acknowledged.get("stall_s")
+        row["trainer_durable_s"] = durable.get("durable_s")
+        rows["restart-prepared" if prepared else "restart"] = row
+    return rows
 
 
 ROW_NAMES = {
@@ -300,6 +329,7 @@ ROW_NAMES = {
     "load-warm": "load() from files, warm cache",
     "load-memory": "load() from daemon memory",
     "restart": "restart: latest() after SIGKILL",
+    "restart-prepared": "restart: prepare_restore() at start-up, latest()",
 }
 
 
@@ -346,10 +376,10 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
                 "error": outcome.error,
                 "traceback": outcome.traceback or outcome.log_tail,
             }
-            rows.update({k: dict(error) for k in ROW_NAMES if k != "restart"})
+            rows.update({k: dict(error) for k in ROW_NAMES if not k.startswith("restart")})
         shutil.rmtree(job.root, ignore_errors=True)
         restart = replace(job, root=session.root / "restart")
-        rows["restart"] = _restart(session, restart, args.part_timeout)
+        rows.update(_restart(session, restart, args.part_timeout))
         shutil.rmtree(session.root / "restart", ignore_errors=True)
     h2d = rows.get("raw-h2d", {}).get("seconds")
     disk = rows.get("disk-read-limit", {}).get("seconds")
@@ -368,11 +398,17 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         "÷h2d: ÷ the raw pinned host-to-device copy; ÷disk: ÷ the fastest cold read of the "
         "checkpoint's files (see its note); ÷cold: ÷ load() from the files with a cold page cache.",
     ]
-    restart = rows.get("restart", {})
-    if restart.get("status") == "ok":
+    restarts = [rows.get(key, {}) for key in ("restart", "restart-prepared")]
+    if all(row.get("status") == "ok" for row in restarts):
+        unprepared, prepared = restarts
+        notes.append(
+            f"restart: start-up before latest() (initialising CUDA, after prepare_restore() "
+            f"in the prepared processes) {unprepared['startup_s']:.3f} s as they come, "
+            f"{prepared['startup_s']:.3f} s prepared (medians)"
+        )
         notes.append(
             f"restart: the restarted trainer's first save stalled "
-            f"{restart.get('first_save_stall_s', float('nan')):.3f} s and created "
-            f"{restart.get('segments_created')} segment(s) (0: it adopted the retained ones)"
+            f"{prepared.get('first_save_stall_s', float('nan')):.3f} s and created "
+            f"{prepared.get('segments_created')} segment(s) (0: it adopted the retained ones)"
         )
     return config, [table], notes
