@@ -203,21 +203,23 @@ def latest(
 
 
 def prepare_restore(device: str | torch.device = "cuda", *, keep: float = PREPARED_KEEP_S) -> None:
-    """Get ready to restore to ``device`` while the process does other things: call it
-    first thing in a restart script, before initialising CUDA, the process group or the
-    model; it returns at once.
+    """Get ready to restore to ``device`` while the process does other things: call it in
+    a restart script once the device is chosen (``torch.cuda.set_device``, or any first
+    CUDA call), before building the model, the optimizer and the process group; it
+    returns at once.
 
     A new process's first restore otherwise starts by making its pinned staging (256 MiB
     faulted in and registered with CUDA: ~60 ms on the GPU VMs, which fault fresh memory
     in at ~5 GB/s) and by growing its descriptor table for the lease's segments. Here
-    threads of its own do both now: the memory is faulted in while CUDA initialises and
-    registered once a context exists. The next restore (``latest``, ``load``,
-    ``restore``, the DCP reader) within ``keep`` seconds takes them; after that they are
-    freed. Nothing is asked of the daemon, and a restore needs no ``prepare_restore``.
+    threads of its own do both while the model is built. The next restore (``latest``,
+    ``load``, ``restore``, the DCP reader) within ``keep`` seconds takes them; after that
+    they are freed. Nothing is asked of the daemon, and a restore needs no
+    ``prepare_restore``. Not before CUDA is initialised: the staging's faults then ran 5x
+    slower and made the initialisation 30-50 ms longer on an H200 VM, a wash.
 
-    On a node of several GPUs pass the rank's device ("cuda:3"): for a bare "cuda" the
-    device is not known before the process chooses one, so the memory is only faulted in
-    here and registered by the restore (a few ms more).
+    On a node of several GPUs pass the rank's device ("cuda:3"), or call it after
+    ``torch.cuda.set_device``: for a bare "cuda" before any CUDA call the device is not
+    known, so the memory is only faulted in here and registered by the restore.
     """
     device = torch.device(device)
     if not (isinstance(keep, int | float) and 0 < keep < math.inf):

@@ -448,10 +448,9 @@ class Counted(reading._HostBuffer):
         made.append(threading.current_thread().name)
         super().__init__(*args, **kwargs)
 reading._HostBuffer = Counted
-assert not torch.cuda.is_initialized()
-prepare_restore("cuda")
 torch.cuda.init()
-torch.empty(1, device="cuda")
+prepare_restore("cuda")
+model = torch.zeros(1 << 20, device="cuda")  # the start-up the staging is made beside
 restored = latest(device="cuda", socket=sys.argv[1])
 torch.save({key: value.cpu() for key, value in restored.state.items()}, sys.argv[2])
 print(restored.source, restored.verified, ",".join(made))
@@ -461,19 +460,19 @@ print(restored.source, restored.verified, ",".join(made))
 def test_a_restart_that_prepares_first_restores_through_the_staging_made_meanwhile(
     daemon, ckpt: Path
 ) -> None:
-    """A restart script calls ``prepare_restore`` before CUDA is initialised: its staging
-    is faulted in meanwhile and registered once there is a context, and ``latest()``
-    takes it instead of making its own, bit-exact and verified."""
+    """A restart script calls ``prepare_restore`` before it builds its model: the staging
+    is made meanwhile on a thread, and ``latest()`` takes it instead of making its own,
+    bit-exact and verified."""
     state = _gpu_state()
+    out = ckpt / "restored.pt"
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "c").wait(120)
-    out = ckpt / "restored.pt"
-    run = subprocess.run(
-        [sys.executable, "-c", _PREPARED_RESTART, str(daemon.socket), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        run = subprocess.run(
+            [sys.executable, "-c", _PREPARED_RESTART, str(daemon.socket), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["memory", "True", "shmstage-staging"]
     assert_same({k: v.cuda() for k, v in torch.load(out).items()}, state)

@@ -227,17 +227,20 @@ def restart_trainer(job: RestoreJob) -> None:
 
 
 def restart_restore(job: RestoreJob, save: bool, prepared: bool = False) -> dict[str, Any]:
-    """The new process: restore the killed trainer's newest checkpoint to the device with
-    ``latest()`` (no path), check it, and with ``save`` save it once as the restarted
-    trainer would. ``prepared``: as the README's restart script does, call
-    ``prepare_restore`` first, before CUDA is initialised. Initialising CUDA is any
-    restart's cost, not the restore's: it is timed apart (``startup_s``), with the
-    ``prepare_restore`` call, so that what the staging made meanwhile costs the start-up
-    shows."""
+    """The new process: build the model's state, as a restarted trainer does, restore the
+    killed trainer's newest checkpoint to the device with ``latest()`` (no path), check it
+    against that state, and with ``save`` save it once as the restarted trainer would.
+    ``prepared``: as the README's restart script does, call ``prepare_restore`` between
+    initialising CUDA and building the model. The start-up before ``latest()`` (CUDA, the
+    call, the model) is any restart's cost, not the restore's: it is timed apart
+    (``startup_s``), so that what making the staging beside the model costs shows."""
     from shmstage_client import latest
 
     device = torch.device(job.spec.device)
     started = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=device)
     if prepared:
         try:
             from shmstage_client import prepare_restore
@@ -245,13 +248,12 @@ def restart_restore(job: RestoreJob, save: bool, prepared: bool = False) -> dict
             prepared = False
         else:
             prepare_restore(device)
-    if device.type == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device=device)
+    expected = job.spec.build()
+    synchronize(device)
     startup = time.perf_counter() - started
     seconds, out = _timed(lambda: latest(device=device, socket=job.socket), device)
     note = "prepare_restore() first, then latest(device=...)" if prepared else "latest(device=...)"
-    row = _restore_row(seconds, out, job.spec.build(), note)
+    row = _restore_row(seconds, out, expected, note)
     row["startup_s"] = startup
     row["path_matches"] = out.path is not None and out.path.name == job.checkpoint.name
     if not save:
@@ -402,9 +404,10 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
     if all(row.get("status") == "ok" for row in restarts):
         unprepared, prepared = restarts
         notes.append(
-            f"restart: start-up before latest() (initialising CUDA, after prepare_restore() "
-            f"in the prepared processes) {unprepared['startup_s']:.3f} s as they come, "
-            f"{prepared['startup_s']:.3f} s prepared (medians)"
+            f"restart: start-up before latest() (initialising CUDA, building the model's "
+            f"state on the device; prepare_restore() in between in the prepared processes) "
+            f"{unprepared['startup_s']:.3f} s as they come, {prepared['startup_s']:.3f} s "
+            f"prepared (medians)"
         )
         notes.append(
             f"restart: the restarted trainer's first save stalled "
