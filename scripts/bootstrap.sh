@@ -19,8 +19,9 @@ if [[ ! -x $VENV/bin/python ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
-stamp="$VENV/.shmstage-$(cat pyproject.toml daemon/pyproject.toml client/pyproject.toml \
-  constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)-$want_test"
+# setup.py and the C it builds (shmstage._readsum, optional: skipped without a compiler)
+stamp="$VENV/.shmstage-$(cat pyproject.toml setup.py shmstage/_readsum.c daemon/pyproject.toml \
+  client/pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)-$want_test"
 if [[ ! -e $stamp ]]; then
   pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   # This machine's pip configuration names index folders that may be absent: hide that noise.

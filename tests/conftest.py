@@ -59,3 +59,16 @@ def instance_id() -> Iterator[str]:
     for name in segment.list_names(lock.instance):
         segment.unlink(name)
     lock.release()
+
+
+@pytest.fixture(params=["one pass", "two passes"])
+def read_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A restore's reads checksummed in the pass that reads (``shmstage.readsum``, where
+    it is built) or in a second pass over the bytes read (Python, everywhere else)."""
+    from shmstage import readsum
+
+    if request.param == "two passes":
+        monkeypatch.setattr(readsum, "_LIBRARY", None)
+    elif not readsum.available():
+        pytest.skip("shmstage._readsum is not built or not usable here")
+    return str(request.param)

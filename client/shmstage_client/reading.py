@@ -39,18 +39,20 @@ import bisect
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
+import itertools
 import logging
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import crc32c
 import torch
 
-from shmstage import hostmemory
+from shmstage import hostmemory, readsum
 from shmstage.checkpoint import ChecksumError
 from shmstage.checksums import combine, expect_combines
 from shmstage_client import cudart, device_checksums
@@ -120,6 +122,34 @@ class Source(abc.ABC):
     def read_into(self, start: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes from ``start`` on; called from several threads."""
 
+    @property
+    def summing(self) -> bool:
+        """Whether ``read_summed`` checksums the bytes in the pass that reads them
+        (``shmstage.readsum``), rather than in a second pass over ``buffer``."""
+        return False
+
+    def read_summed(
+        self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
+    ) -> None:
+        """``read_into``, continuing the CRC-32C in ``values`` of each span of ``buffer``
+        (``(lo, hi)`` offsets into it, ascending, not overlapping; 0 to start)."""
+        self.read_into(start, buffer)
+        _sum(buffer, spans, values)
+
+
+def _sum(buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]) -> None:
+    """The second pass: continue each span's CRC-32C over the bytes already read."""
+    for index, (lo, hi) in enumerate(spans):
+        values[index] = crc32c.crc32c(buffer[lo:hi], values[index])
+
+
+def _address(buffer: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def _native() -> bool:
+    return readsum.available()
+
 
 class MappedSource(Source):
     """Bytes mapped into this process (the daemon's segments, read-only)."""
@@ -132,8 +162,16 @@ class MappedSource(Source):
         return memoryview((ctypes.c_char * (end - start)).from_address(self.address + start))
 
     def read_into(self, start: int, buffer: memoryview) -> None:
-        target = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-        ctypes.memmove(target, self.address + start, len(buffer))  # releases the GIL
+        ctypes.memmove(_address(buffer), self.address + start, len(buffer))  # GIL released
+
+    summing = property(lambda self: _native())
+
+    def read_summed(
+        self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
+    ) -> None:
+        if not _native():
+            return super().read_summed(start, buffer, spans, values)
+        readsum.copy(self.address + start, _address(buffer), len(buffer), spans, values, self.where)
 
 
 class FileSource(Source):
@@ -144,6 +182,16 @@ class FileSource(Source):
 
     def read_into(self, start: int, buffer: memoryview) -> None:
         _pread_exactly(self.fd, buffer, self.offset + start, self.where)
+
+    summing = property(lambda self: _native())
+
+    def read_summed(
+        self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
+    ) -> None:
+        if not _native():
+            return super().read_summed(start, buffer, spans, values)
+        where, address = self.where, _address(buffer)
+        readsum.read(self.fd, self.offset + start, address, len(buffer), spans, values, where)
 
 
 class SegmentSource(Source):
@@ -171,6 +219,32 @@ class SegmentSource(Source):
             if hi > lo:
                 piece = buffer[lo - start : hi - start]
                 _pread_exactly(self.fds[index], piece, lo - base, self.where)
+            index += 1
+
+    summing = property(lambda self: _native())
+
+    def read_summed(
+        self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
+    ) -> None:
+        """Segment by segment, each span's part in a segment checksummed as it is read."""
+        if not _native():
+            return super().read_summed(start, buffer, spans, values)
+        end, address, first = start + len(buffer), _address(buffer), 0
+        index = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        while index < len(self.offsets) and self.offsets[index] < end:
+            base = self.offsets[index]
+            lo, hi = max(start, base) - start, min(end, base + self.sizes[index]) - start
+            if hi > lo:
+                while first < len(spans) and spans[first][1] <= lo:
+                    first += 1
+                last = first
+                while last < len(spans) and spans[last][0] < hi:
+                    last += 1
+                inside = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in spans[first:last]]
+                sums = values[first:last]
+                fd, offset = self.fds[index], start + lo - base
+                readsum.read(fd, offset, address + lo, hi - lo, inside, sums, self.where)
+                values[first:last] = sums
             index += 1
 
 
@@ -246,6 +320,28 @@ def transfer(
 def _host_buffer(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU uint8 tensor, writable (``preadv`` reads into them)."""
     return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr()))
+
+
+def _disjoint(spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether no two spans overlap (tensors that share bytes overlap: a second pass)."""
+    return all(before[1] <= after[0] for before, after in itertools.pairwise(spans))
+
+
+def _extend(
+    start: int,
+    spans: Sequence[tuple[int, int]],
+    values: Sequence[int],
+    owners: Sequence[int],
+    parts: dict[int, list[int]],
+) -> None:
+    """Continue ``parts`` (see ``_Transfer._tensor_spans``) with a piece's checksummed spans."""
+    for (lo, hi), value, index in zip(spans, values, owners, strict=True):
+        part = parts.get(index)
+        if part is None:
+            parts[index] = [start + lo, value, hi - lo]
+        else:
+            part[1] = value
+            part[2] += hi - lo
 
 
 def _as_tensor(view: memoryview) -> torch.Tensor:
@@ -363,11 +459,13 @@ class _Relay:
         self._stream = stream
         self._runtime = runtime
 
-    def send(self, source: Source, start: int, end: int, target: torch.Tensor) -> memoryview:
-        """Read bytes [start, end) of ``source`` into the next piece and queue their copy
-        into ``target`` (as many bytes, on the device); returns the piece's bytes, which
-        stay valid until the reader's next send (the checksums read them while the device
-        copies)."""
+    def send(
+        self, fill: Callable[[memoryview], None], nbytes: int, target: torch.Tensor
+    ) -> memoryview:
+        """Fill the next piece's first ``nbytes`` (``fill`` reads them in) and queue their
+        copy into ``target`` (as many bytes, on the device); returns the piece's bytes,
+        which stay valid until the reader's next send (a second pass of checksums reads
+        them while the device copies)."""
         turn = self._turn
         self._turn = (turn + 1) % PIECES
         event = self._events[turn]
@@ -376,11 +474,11 @@ class _Relay:
         else:
             event.synchronize()  # the device is done with this piece's previous bytes
         address = self._addresses[turn]
-        piece = memoryview((ctypes.c_char * (end - start)).from_address(address))
-        source.read_into(start, piece)
+        piece = memoryview((ctypes.c_char * nbytes).from_address(address))
+        fill(piece)
         if self._runtime is not None:
             stream = self._stream.cuda_stream
-            self._runtime.copy_to_device(target.data_ptr(), address, end - start, stream)
+            self._runtime.copy_to_device(target.data_ptr(), address, nbytes, stream)
         else:
             with torch.cuda.stream(self._stream):
                 target.copy_(_as_tensor(piece), non_blocking=True)
@@ -599,9 +697,17 @@ class _Transfer:
         """On the CPU: straight into the destination."""
         assert self._host is not None
         host = self._host[start:end]
-        self.source.read_into(start, host)
         parts: dict[int, list[int]] = {}
-        self._checksum(start, end, host, parts)
+        if self.verify:
+            spans, values, owners = self._tensor_spans(start, end, parts)
+            if _disjoint(spans):
+                self.source.read_summed(start, host, spans, values)
+            else:
+                self.source.read_into(start, host)
+                _sum(host, spans, values)
+            _extend(start, spans, values, owners, parts)
+        else:
+            self.source.read_into(start, host)
         self._keep(parts)
 
     def _to_device(self, start: int, end: int, relay: _Relay) -> None:
@@ -609,27 +715,40 @@ class _Transfer:
         for piece in range(start, end, relay.size):
             upto = min(piece + relay.size, end)
             target = self.destination[self._lead + piece : self._lead + upto]
-            host = relay.send(self.source, piece, upto, target)
-            if self._checks is None:
-                self._checksum(piece, upto, host, parts)  # while the device copies
+            read = functools.partial(self.source.read_into, piece)
+            if self._checks is not None or not self.verify:
+                relay.send(read, upto - piece, target)
+                continue
+            spans, values, owners = self._tensor_spans(piece, upto, parts)
+            if self.source.summing and _disjoint(spans):  # checksummed as it is read
+                summed = functools.partial(
+                    self.source.read_summed, piece, spans=spans, values=values
+                )
+                relay.send(summed, upto - piece, target)
+            else:  # checksummed while the device copies
+                _sum(relay.send(read, upto - piece, target), spans, values)
+            _extend(piece, spans, values, owners, parts)
         if self._checks is not None:
             self._checks.arrived(start, end)
         else:
             self._keep(parts)
 
-    def _checksum(
-        self, start: int, end: int, host: memoryview, parts: dict[int, list[int]]
-    ) -> None:
-        """Checksum the part of every tensor that lies in [start, end) (with ``verify``),
-        continuing ``parts``: per placement, the [start, checksum, length] of its bytes in
-        the chunk so far, which the chunk's next piece extends.
+    def _tensor_spans(
+        self, start: int, end: int, parts: dict[int, list[int]]
+    ) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+        """The part of every tensor that lies in [start, end): its span of those bytes
+        (offsets from ``start``), its checksum so far and its placement's index. ``parts``
+        holds per placement the [start, checksum, length] of its bytes in the chunk so far,
+        which the chunk's next piece continues (``_extend``).
 
-        A piece at once: checksumming it in cache-sized bits as they were read was slower
-        on the H100 host (0.40 against 0.35 s for 8 GiB), as the many more calls contend
-        for the GIL.
+        A piece is read and checksummed in one pass where ``shmstage.readsum`` runs (1 MiB
+        at a time, in C); in Python, checksumming in cache-sized bits as they were read was
+        slower than a second pass over the piece (0.40 against 0.35 s for 8 GiB on the H100
+        host), as the many more calls contend for the GIL.
         """
-        if not self.verify:
-            return
+        spans: list[tuple[int, int]] = []
+        values: list[int] = []
+        owners: list[int] = []
         index = bisect.bisect_right(self._ends, start)
         while index < len(self.placements):
             placement = self.placements[index]
@@ -638,12 +757,11 @@ class _Transfer:
             lo, hi = max(start, placement.offset), min(end, placement.offset + placement.nbytes)
             if hi > lo:
                 part = parts.get(index)
-                if part is None:
-                    parts[index] = [lo, crc32c.crc32c(host[lo - start : hi - start]), hi - lo]
-                else:
-                    part[1] = crc32c.crc32c(host[lo - start : hi - start], part[1])
-                    part[2] += hi - lo
+                spans.append((lo - start, hi - start))
+                values.append(0 if part is None else part[1])
+                owners.append(index)
             index += 1
+        return spans, values, owners
 
     def _keep(self, parts: dict[int, list[int]]) -> None:
         """A chunk's parts, for ``_check`` (``list.append`` is atomic: readers share them)."""

@@ -147,7 +147,7 @@ def test_restores_hold_off_the_garbage_collector_and_leave_it_as_the_caller_set_
 
 
 def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free(
-    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch, read_passes: str
 ) -> None:
     """A restore keeps the leased segments' descriptors and reads through them when the
     process has room for them; with a low RLIMIT_NOFILE it maps them instead. Either way
@@ -330,7 +330,7 @@ CASES = {
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, read_passes: str
 ) -> None:
     monkeypatch.setattr(reading, "CHUNK", 4096)  # tensors span chunks and threads
     data, placements = _packed(CASES)
@@ -380,7 +380,7 @@ def test_the_combining_a_check_needs_is_worked_out_while_the_readers_read(
 
 
 def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, read_passes: str
 ) -> None:
     monkeypatch.setattr(reading, "CHUNK", 8192)
     data, placements = _packed(CASES)
@@ -390,6 +390,10 @@ def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
     assert_same(got, CASES, key_order=False)
     buffer[0] = b"\x00"  # the source changes afterwards: the result is a copy of its own
     assert_same(got, CASES, key_order=False)
+    buffer[0] = data[:1]
+    buffer[placements[1].offset + 8193] = bytes([buffer[placements[1].offset + 8193][0] ^ 1])
+    with pytest.raises(ChecksumError, match=r"tensor 'w' in a test buffer: checksum mismatch"):
+        transfer(source, placements, torch.device("cpu"), threads=2)
 
 
 def test_mapped_bytes_are_read_into_a_staging_buffer_exactly() -> None:

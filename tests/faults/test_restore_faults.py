@@ -314,7 +314,7 @@ print(json.dumps(out))
 
 
 def test_a_corrupted_segment_byte_is_caught_and_load_reads_the_files(
-    daemon, ckpt: Path
+    daemon, ckpt: Path, read_passes: str
 ) -> None:
     state = make_state(5)
     with Stager(daemon.socket, slots=1) as stager:
