@@ -12,7 +12,8 @@ Scenarios (``--scenario``):
   compared bit-exact with the state at its call; ``--guard`` adds the non-blocking save.
 * ``restore``: the restart story — host-to-device and disk-read limits, ``load()`` cold
   and warm, from the daemon's memory where the client can, and a trainer SIGKILLed after
-  its checkpoint was acknowledged and restored by a new process.
+  its checkpoint was acknowledged and restored by new processes, as they come and with
+  ``prepare_restore`` called before they build the model.
 
 Each measured part runs in its own process; the parent starts the daemon (as a root
 container would: default paths) and always writes the text, the JSON and the chart.

@@ -7,11 +7,13 @@ checkpoint's files, O_DIRECT at three queue depths and through the page cache),
 ``load(..., source="memory")`` from the daemon's memory (the trainer still connected), and
 the restart itself: a trainer process saves, its checkpoint is acknowledged and durable, it
 is SIGKILLed, and a new process restores it with ``latest(device=...)`` — no path given —
-timed and compared bit for bit with the state. The memory and restart rows are medians of
-``--restores`` (each restart a new process; the samples are in the row); the last
-restarted process also saves once more: that first save of a restarted trainer adopts the
-segments the daemon retained (``segments_created`` 0, from the daemon's counters). Every
-row says where its restore came from (``source``).
+timed and compared bit for bit with the state; the row "restart-prepared" does the same in
+new processes that call ``prepare_restore`` before building the model (alternating with
+the others). The memory and restart rows are medians of ``--restores`` (each restart a new
+process; the samples are in the row); the last restarted process also saves once more:
+that first save of a restarted trainer adopts the segments the daemon retained
+(``segments_created`` 0, from the daemon's counters). Every row says where its restore
+came from (``source``).
 """
 
 from __future__ import annotations
