@@ -9,9 +9,11 @@ thread, that runs at the speed of one core and of one small copy at a time (a 4 
 Here the source is cut into chunks of 16 MiB. Several threads each take the next chunk
 and, on the CPU, read it straight into the destination; for a device, through a pinned
 piece of its own (``_Relay``): read the chunk into it (for a file or the segments'
-descriptors, a read; for a mapping, a memcpy), queue its copy to the device on one
-stream, checksum it while the device copies, and wait for that copy only when the piece
-is next refilled (the other readers' pieces keep the device busy meanwhile). The pieces
+descriptors, a read; for a mapping, a memcpy) and checksum it in the same pass, a MiB at a
+time while it is in the core's cache (``shmstage.readsum``; where that is not built, in a
+second pass while the device copies), queue its copy to the device on one stream, and
+wait for that copy only when the piece is next refilled (the other readers' pieces keep
+the device busy meanwhile). The pieces
 are few and reused at once, so they stay in the processor's cache and the host reads
 memory once per byte, mostly: a restarted trainer's restore of 8 GiB from the daemon's
 memory went from 2.49-2.67x the raw copy to 2.08-2.33x on an H200 VM and from 2.51x to
@@ -261,8 +263,8 @@ def prepare(device: torch.device, nbytes: int | None = None, *, keep: float | No
     """Start making the staging buffers of a transfer of ``nbytes`` (None: unknown yet) to
     ``device`` now, on a thread of its own, kept for a restore for ``keep`` seconds (None:
     ``KEEP_STAGING_S``): a restore calls this before it asks the daemon, whose answer then
-    hides part of registering them in a new process; a restart script calls it at its
-    start (``restoring.prepare_restore``), before CUDA is even initialised."""
+    hides part of registering them in a new process; a restart script calls it before it
+    builds its model (``restoring.prepare_restore``)."""
     if device.type == "cuda" and torch.cuda.is_available():  # else the transfer says why
         readers = MAX_THREADS if nbytes is None else min(MAX_THREADS, -(-nbytes // CHUNK))
         _SPARES.prepare(max(1, readers) * PIECES * PIECE, _registering(device), keep)
