@@ -283,6 +283,12 @@ def _registering(device: torch.device) -> torch.device | None:
     return torch.device("cuda", 0) if torch.cuda.device_count() == 1 else None
 
 
+def release_staging() -> None:
+    """Give back this process's staging now rather than after its countdown: a restart
+    that found nothing to restore will not take what ``prepare`` made for it."""
+    _SPARES.release()
+
+
 #: Restores per device checked on the host, and how many before the device's checks are
 #: warmed up for the next ones.
 _HOST_CHECKED: dict[torch.device, int] = {}
@@ -508,6 +514,8 @@ class _Spares:
         self._cond = threading.Condition()
         #: The size of the buffer ``prepare``'s thread is making, 0 when none.
         self._coming = 0
+        #: ``release`` came while a buffer was being made: free it once made.
+        self._released = False
         self._timer: threading.Timer | None = None
 
     def take(self, size: int) -> _HostBuffer | None:
@@ -540,15 +548,21 @@ class _Spares:
         ).start()
 
     def _make(self, size: int, device: torch.device | None, keep: float | None) -> None:
+        unwanted: list[_HostBuffer] = []
         try:
             buffer = _HostBuffer(size, device, pin=device is not None)
             with self._cond:
-                self._buffers.append(buffer)
+                if self._released:
+                    unwanted.append(buffer)
+                else:
+                    self._buffers.append(buffer)
         except Exception as exc:  # the transfer makes its own, and says so if it must
             log.debug("could not make staging ahead of a restore: %s", exc)
         finally:
+            _free_soon(unwanted)
             with self._cond:
                 self._coming = 0
+                self._released = False
                 self._cond.notify_all()
                 self._expire_later(keep)
 
@@ -574,6 +588,13 @@ class _Spares:
             buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             buffer.free()
+
+    def release(self) -> None:
+        """Free the buffers now, on a thread, and the one being made once it is made."""
+        with self._cond:
+            buffers, self._buffers = self._buffers, []
+            self._released = self._coming > 0
+        _free_soon(buffers)
 
 
 def _free_soon(buffers: list[_HostBuffer]) -> None:

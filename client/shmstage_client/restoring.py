@@ -186,7 +186,11 @@ def latest(
                 reason = _why(exc)
             if source == "memory":
                 raise CheckpointError(f"cannot restore from shmstaged's memory: {reason}")
-        path = hint if hint is not None else _newest_under(under, reason)
+        try:
+            path = hint if hint is not None else _newest_under(under, reason)
+        except CheckpointError:
+            reading.release_staging()  # nothing to restore: a fresh start needs no staging
+            raise
         with CheckpointFiles(path) as files:
             tensors, nbytes = files.read(device, verify=verify)
             return _report(
@@ -213,9 +217,10 @@ def prepare_restore(device: str | torch.device = "cuda", *, keep: float = PREPAR
     in at ~5 GB/s) and by growing its descriptor table for the lease's segments. Here
     threads of its own do both while the model is built. The next restore (``latest``,
     ``load``, ``restore``, the DCP reader) within ``keep`` seconds takes them; after that
-    they are freed. Nothing is asked of the daemon, and a restore needs no
-    ``prepare_restore``. Not before CUDA is initialised: the staging's faults then ran 5x
-    slower and made the initialisation 30-50 ms longer on an H200 VM, a wash.
+    they are freed, and at once when ``latest()`` finds no checkpoint to restore (a first
+    start). Nothing is asked of the daemon, and a restore needs no ``prepare_restore``.
+    Not before CUDA is initialised: the staging's faults then ran 5x slower and made the
+    initialisation 30-50 ms longer on an H200 VM, a wash.
 
     On a node of several GPUs pass the rank's device ("cuda:3"), or call it after
     ``torch.cuda.set_device``: for a bare "cuda" before any CUDA call the device is not

@@ -548,3 +548,42 @@ def test_prepare_restore_grows_a_new_processs_descriptor_table_for_a_lease() -> 
     )
     before, after = map(int, run.stdout.split())
     assert before < restoring.LEASE_SEGMENTS <= after
+
+
+def test_released_staging_is_freed_at_once_and_the_one_being_made_once_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart that finds nothing to restore gives back what ``prepare_restore`` made
+    (256 MiB pinned per rank) now, not after ``keep`` seconds."""
+    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
+    spares = reading._Spares()
+    spares.prepare(1024, keep=600)
+    made = spares.take(1024)
+    assert made is not None
+    spares.keep(made)
+    spares.prepare(4096, keep=600)  # larger: a second one is being made
+    spares.release()  # while it is
+    deadline = time.monotonic() + 5
+    while not made.freed and time.monotonic() < deadline:
+        time.sleep(0.01)  # freed on a thread of its own
+    assert made.freed
+    assert spares.take(4096) is None  # the one being made was not kept: freed once made
+    spares.prepare(1024, keep=600)  # after a release, a later prepare keeps its buffer
+    again = spares.take(1024)
+    assert again is not None and not again.freed
+    spares.keep(again)
+    spares.free()
+
+
+def test_latest_finding_nothing_to_restore_releases_the_staging(
+    daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reading, "_SPARES", reading._Spares())
+    prepared = _FakeStaging(1 << 20)  # what prepare_restore would have made on a GPU
+    reading._SPARES.keep(prepared)
+    with pytest.raises(CheckpointError, match="no checkpoint to restore"):
+        latest(socket=daemon.socket)
+    deadline = time.monotonic() + 5
+    while not prepared.freed and time.monotonic() < deadline:
+        time.sleep(0.01)  # freed on a thread of its own
+    assert prepared.freed
