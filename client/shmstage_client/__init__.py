@@ -9,7 +9,7 @@ with Stager() as stager:
     # the next forward and backward, and the optimizer's step waits for it
     handle.wait()                                                      # durable
 state = load("/ckpt/step-1000")         # from shmstaged's memory when it still holds it
-prepare_restore("cuda")                  # first thing in a restart script: staging made meanwhile
+prepare_restore("cuda")                  # restart script, before building the model: staging made
 restored = latest(device="cuda")         # after a crash: the newest checkpoint, no path needed
 """
 
