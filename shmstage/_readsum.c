@@ -118,18 +118,6 @@ int shmstage_readsum_init(void)
 #endif
 }
 
-/* The standard CRC-32C of n bytes, continuing `value` (0 to start). */
-uint32_t shmstage_crc32c(uint32_t value, const void *p, size_t n)
-{
-#ifdef READSUM_X86
-    return ~update(~value, (const unsigned char *)p, n);
-#else
-    (void)p;
-    (void)n;
-    return value;
-#endif
-}
-
 /*
  * Read n bytes into dst — from descriptor fd at offset with pread, or, with fd < 0, from
  * src + offset with memcpy — a block at a time, and continue the CRC-32C of each span:

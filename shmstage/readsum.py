@@ -39,8 +39,6 @@ def _load() -> ctypes.CDLL | None:
                 return None
             if library.shmstage_readsum_init() != 0:
                 return None  # no CRC-32C instruction here
-            library.shmstage_crc32c.restype = ctypes.c_uint32
-            library.shmstage_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
             library.shmstage_read_sum.restype = ctypes.c_long
             library.shmstage_read_sum.argtypes = [
                 ctypes.c_int,
@@ -90,13 +88,6 @@ def copy(
 ) -> None:
     """``read``, from memory at ``source`` (a mapping) rather than a descriptor."""
     _run(-1, source, address, nbytes, 0, spans, values, where)
-
-
-def crc32c(data: int, nbytes: int, value: int = 0) -> int:
-    """The CRC-32C of ``nbytes`` at address ``data``, continuing ``value``."""
-    if _LIBRARY is None:
-        raise RuntimeError("shmstage's native checksums are not available here")
-    return int(_LIBRARY.shmstage_crc32c(value, data, nbytes))
 
 
 def _run(

@@ -49,7 +49,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 import crc32c
 import torch
@@ -124,19 +124,31 @@ class Source(abc.ABC):
     def read_into(self, start: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes from ``start`` on; called from several threads."""
 
+    #: Whether this kind of source can read and checksum in one pass (``_read_once``).
+    one_pass: ClassVar[bool] = False
+
     @property
     def summing(self) -> bool:
         """Whether ``read_summed`` checksums the bytes in the pass that reads them
-        (``shmstage.readsum``), rather than in a second pass over ``buffer``."""
-        return False
+        (``shmstage.readsum``, where it is built), rather than in a second pass."""
+        return self.one_pass and readsum.available()
 
     def read_summed(
         self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
     ) -> None:
         """``read_into``, continuing the CRC-32C in ``values`` of each span of ``buffer``
         (``(lo, hi)`` offsets into it, ascending, not overlapping; 0 to start)."""
-        self.read_into(start, buffer)
-        _sum(buffer, spans, values)
+        if self.summing:
+            self._read_once(start, buffer, spans, values)
+        else:
+            self.read_into(start, buffer)
+            _sum(buffer, spans, values)
+
+    def _read_once(
+        self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
+    ) -> None:
+        """``read_summed`` in one pass, for a source with ``one_pass``."""
+        raise NotImplementedError
 
 
 def _sum(buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]) -> None:
@@ -147,10 +159,6 @@ def _sum(buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
 
 def _address(buffer: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
-def _native() -> bool:
-    return readsum.available()
 
 
 class MappedSource(Source):
@@ -166,13 +174,11 @@ class MappedSource(Source):
     def read_into(self, start: int, buffer: memoryview) -> None:
         ctypes.memmove(_address(buffer), self.address + start, len(buffer))  # GIL released
 
-    summing = property(lambda self: _native())
+    one_pass = True
 
-    def read_summed(
+    def _read_once(
         self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
     ) -> None:
-        if not _native():
-            return super().read_summed(start, buffer, spans, values)
         readsum.copy(self.address + start, _address(buffer), len(buffer), spans, values, self.where)
 
 
@@ -185,13 +191,11 @@ class FileSource(Source):
     def read_into(self, start: int, buffer: memoryview) -> None:
         _pread_exactly(self.fd, buffer, self.offset + start, self.where)
 
-    summing = property(lambda self: _native())
+    one_pass = True
 
-    def read_summed(
+    def _read_once(
         self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
     ) -> None:
-        if not _native():
-            return super().read_summed(start, buffer, spans, values)
         where, address = self.where, _address(buffer)
         readsum.read(self.fd, self.offset + start, address, len(buffer), spans, values, where)
 
@@ -223,14 +227,12 @@ class SegmentSource(Source):
                 _pread_exactly(self.fds[index], piece, lo - base, self.where)
             index += 1
 
-    summing = property(lambda self: _native())
+    one_pass = True
 
-    def read_summed(
+    def _read_once(
         self, start: int, buffer: memoryview, spans: Sequence[tuple[int, int]], values: list[int]
     ) -> None:
         """Segment by segment, each span's part in a segment checksummed as it is read."""
-        if not _native():
-            return super().read_summed(start, buffer, spans, values)
         end, address, first = start + len(buffer), _address(buffer), 0
         index = max(0, bisect.bisect_right(self.offsets, start) - 1)
         while index < len(self.offsets) and self.offsets[index] < end:
