@@ -207,8 +207,10 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "error": {"code": _STR, "message": _STR, "fatal": _BOOL},
     # A lease: the slot's segments cannot be refilled until "unlease", the connection's
     # end, or ``seconds`` from now. ``digest`` is empty and ``durable`` false while the
-    # checkpoint is still being written; ``tensors``, ``tree`` and ``metadata`` (the
-    # structure) come with "latest", whose caller has no manifest to read them from.
+    # checkpoint is still being written; ``tensors``, ``tree``, ``metadata`` (the
+    # structure) and ``checksums`` (each tensor's CRC-32C in layout order, null until
+    # durable) come with "latest": the daemon's own record, so that its caller trusts no
+    # manifest found at a path that another user may have changed since.
     "leased": {
         "lease": _INT,
         "seconds": _NUM,
@@ -223,6 +225,7 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "tensors": _LIST,
         "tree": _ANY,
         "metadata": _MAP,
+        "checksums": (list, type(None)),
     },
     "lease_fds": {"lease": _INT, "first": _INT},
     "renewed": {"lease": _INT, "seconds": _NUM},
@@ -262,7 +265,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "renew": frozenset({"seconds"}),
     "registered": frozenset({"adopted"}),
     "acquired": frozenset({"leased"}),
-    "leased": frozenset({"tensors", "tree", "metadata"}),
+    "leased": frozenset({"tensors", "tree", "metadata", "checksums"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 

@@ -144,6 +144,10 @@ class JobResult:
     phases: WritePhases | None = None
     #: The manifest entries it rendered from, for the layout's next save (never sent).
     entries: manifest.TensorEntries | None = None
+    #: Each tensor's CRC-32C, in the layout's order, as the manifest records them (never
+    #: sent with the result): a restore from memory checks against the daemon's own copy,
+    #: not against whatever manifest sits at the checkpoint's path later.
+    checksums: list[int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         if self.ok:
@@ -287,7 +291,7 @@ def _run(job: PersistJob) -> JobResult:
         _sync_dir(dest, job.fsync)
         _publish_directory(job, step)
         result = _published(job, total, started, manifest.digest(document), phases)
-        result.entries = entries
+        result.entries, result.checksums = entries, checksums
         return result
     except JobInterrupted:
         return _interrupted(job, step, started)

@@ -194,6 +194,7 @@ class Retention:
         if result.ok:
             held.durable_unix = time.time()
             held.digest = result.digest
+            held.checksums = result.checksums
         else:
             slot.held = None
             self._by_file.pop(held.data_id, None)

@@ -873,8 +873,13 @@ class Session:
             "data_file": held.data_file,
             "acknowledged_unix": held.acknowledged_unix,
         }
-        if structure:
-            body.update(tensors=staged.layout.to_wire(), tree=held.tree, metadata=held.metadata)
+        if structure:  # the daemon's own record: latest() needs no manifest from a path
+            body.update(
+                tensors=staged.layout.to_wire(),
+                tree=held.tree,
+                metadata=held.metadata,
+                checksums=held.checksums,
+            )
         log.info(
             "%s leased job %d (uid %d, %s) for %.0f s",
             self.describe(),

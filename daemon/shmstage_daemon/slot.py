@@ -53,9 +53,11 @@ class Held:
     data_file: str
     tree: Any
     metadata: dict[str, Any]
-    #: Set when the job made it durable: when, and the digest of the manifest it wrote.
+    #: Set when the job made it durable: when, the digest of the manifest it wrote, and
+    #: each tensor's CRC-32C (layout order) as that manifest records them.
     durable_unix: float | None = None
     digest: str = ""
+    checksums: list[int] | None = None
 
     @property
     def durable(self) -> bool:
