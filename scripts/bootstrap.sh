@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with the three packages editable and a pinned CPU torch. Idempotent: it
-# reinstalls only when a pyproject or the constraints change. `--test` also installs the
+# Create .venv with the three packages and the benchmark (bench/) editable and a pinned CPU
+# torch. Idempotent: it reinstalls only when a pyproject or the constraints change. `--test` also installs the
 # test tools, and systemd's analysis tools when the machine lacks them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,13 +21,14 @@ fi
 
 # setup.py and the C it builds (shmstage._readsum, optional: skipped without a compiler)
 stamp="$VENV/.shmstage-$(cat pyproject.toml setup.py shmstage/_readsum.c daemon/pyproject.toml \
-  client/pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)-$want_test"
+  client/pyproject.toml bench/pyproject.toml constraints.txt scripts/bootstrap.sh |
+  sha256sum | cut -c1-16)-$want_test"
 if [[ ! -e $stamp ]]; then
   pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   # This machine's pip configuration names index folders that may be absent: hide that noise.
   quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-  say "installing shmstage, shmstaged and the client (editable), torch $(grep -o '^torch==.*' constraints.txt | cut -d= -f3) (CPU), matplotlib — about a minute the first time"
-  quiet "${pip[@]}" -e . -e daemon -e "client[bench]"
+  say "installing shmstage, shmstaged, the client and the bench (editable), torch $(grep -o '^torch==.*' constraints.txt | cut -d= -f3) (CPU), matplotlib — about a minute the first time"
+  quiet "${pip[@]}" -e . -e daemon -e client -e bench
   if (( want_test )); then
     say "installing the test tools: pytest, pytest-xdist, safetensors, hypothesis, ruff, atheris"
     quiet "${pip[@]}" pytest pytest-timeout pytest-xdist safetensors hypothesis ruff

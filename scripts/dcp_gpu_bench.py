@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from shmstage_client.bench.peers import ShmstageDaemon
-from shmstage_client.bench.report import environment
+from shmstage_bench.peers import ShmstageDaemon
+from shmstage_bench.report import environment
 from shmstage_client.dcp import ShmStageWriter
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -25,7 +25,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=.:daemon:client${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=.:daemon:client:bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__)'
   df -h /dev/shm "${TMPDIR:-/tmp}" /run; findmnt -no FSTYPE,TARGET -T /run; nproc; free -g
@@ -34,7 +34,7 @@ export PYTHONPATH=.:daemon:client${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 bench() {  # bench STEP ARGS...: one bounded bench run, its report in OUTDIR
   local step=$1; shift
   echo "=== $step: shmstage-bench $*" | tee -a "$out/log.txt"
-  timeout -k 10 590 python3 -m shmstage_client.bench "$@" --budget 540 \
+  timeout -k 10 590 python3 -m shmstage_bench "$@" --budget 540 \
     --json "$out/$step.json" --png "$out/$step.png" -q 2>&1 | tee -a "$out/log.txt"
 }
 

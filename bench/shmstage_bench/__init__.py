@@ -17,7 +17,7 @@ Scenarios (``--scenario``):
 
 Each measured part runs in its own process; the parent starts the daemon (as a root
 container would: default paths) and always writes the text, the JSON and the chart.
-Run it as the ``shmstage-bench`` console script or ``python -m shmstage_client.bench``.
+Run it as the ``shmstage-bench`` console script or ``python -m shmstage_bench``.
 """
 
 from __future__ import annotations

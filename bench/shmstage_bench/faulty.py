@@ -1,7 +1,7 @@
 """Deliberately broken methods, to prove that a peer's failure is one row and nothing more.
 
 TEST-ONLY: offered by ``shmstage-bench`` only when ``SHMSTAGE_BENCH_TEST_METHODS=1`` is set
-(``tests/client/test_bench.py`` does). Each misbehaves the way a real peer did: nvidia-
+(``tests/bench/test_bench.py`` does). Each misbehaves the way a real peer did: nvidia-
 resiliency-ext leaked descriptors until EMFILE and then hung; a native extension can crash
 the process outright.
 """

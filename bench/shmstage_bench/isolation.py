@@ -35,10 +35,10 @@ PRELOAD = [
     "torch",
     "torch.distributed.checkpoint",
     "shmstage_client",
-    "shmstage_client.bench.peers",
-    "shmstage_client.bench.overlapped",
-    "shmstage_client.bench.training",
-    "shmstage_client.bench.restore",
+    "shmstage_bench.peers",
+    "shmstage_bench.overlapped",
+    "shmstage_bench.training",
+    "shmstage_bench.restore",
 ]
 
 _to_parent: multiprocessing.connection.Connection | None = None

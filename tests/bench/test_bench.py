@@ -21,22 +21,22 @@ from typing import Any
 import pytest
 import torch
 from harness import RunningDaemon
-from shmstage_client import Stager
-from shmstage_client.bench import direct_io, report, restore
-from shmstage_client.bench import session as session_module
-from shmstage_client.bench.daemon import _JOURNAL_IN_LOG, _journal_in
-from shmstage_client.bench.direct_io import AlignedBuffer, read_direct, write_direct
-from shmstage_client.bench.limits import DirectWrite
-from shmstage_client.bench.method import BenchContext, MethodUnavailable
-from shmstage_client.bench.pagecache import PageCacheSampler
-from shmstage_client.bench.peers import METHOD_NAMES, TEST_METHODS_ENV
-from shmstage_client.bench.saves import first_difference, substitute
-from shmstage_client.bench.synthetic import (
+from shmstage_bench import direct_io, report, restore
+from shmstage_bench import session as session_module
+from shmstage_bench.daemon import _JOURNAL_IN_LOG, _journal_in
+from shmstage_bench.direct_io import AlignedBuffer, read_direct, write_direct
+from shmstage_bench.limits import DirectWrite
+from shmstage_bench.method import BenchContext, MethodUnavailable
+from shmstage_bench.pagecache import PageCacheSampler
+from shmstage_bench.peers import METHOD_NAMES, TEST_METHODS_ENV
+from shmstage_bench.saves import first_difference, substitute
+from shmstage_bench.synthetic import (
     SyntheticSpec,
     build_state_dict,
     parse_size,
     tensor_sizes,
 )
+from shmstage_client import Stager
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -59,12 +59,12 @@ def run_bench(
     """Run the CLI as a user would; its own daemon on a private socket unless told."""
     out = tmp_path / "report.json"
     environ = dict(os.environ, **(env or {}))
-    paths = [str(REPO / "client"), str(REPO / "daemon"), str(REPO)]
+    paths = [str(REPO / "bench"), str(REPO / "client"), str(REPO / "daemon"), str(REPO)]
     environ["PYTHONPATH"] = os.pathsep.join([*paths, environ.get("PYTHONPATH", "")])
     cmd = [
         sys.executable,
         "-m",
-        "shmstage_client.bench",
+        "shmstage_bench",
         *args,
         "--dir",
         str(tmp_path / "ckpt"),

@@ -96,7 +96,11 @@ class BenchDaemon:
         else:
             exe = shutil.which("shmstaged")
             if exe is None:
-                raise RuntimeError("shmstaged not found (neither shmstage_daemon nor the script)")
+                raise RuntimeError(
+                    "shmstaged not found: neither the shmstage_daemon package nor the "
+                    "shmstaged command is installed; install ./daemon beside the bench "
+                    "(scripts/bootstrap.sh does) or pass --attach with --socket"
+                )
             cmd = [exe]
         return cmd + (["--socket", self.requested] if self.requested else [])
 

@@ -177,8 +177,9 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
 def write_png(report: dict[str, Any], path: str | Path) -> str:
     """One horizontal bar chart per table that has charted columns; returns a line for the log.
 
-    matplotlib is an optional extra (``shmstage-client[bench]``): without it the chart is
-    skipped with one line rather than failing a run whose text and JSON are fine.
+    The bench's distribution depends on matplotlib, but a run from a source tree (as
+    ``scripts/gpu-check.sh`` does) may lack it: then the chart is skipped with one line
+    rather than failing a run whose text and JSON are fine.
     """
     try:
         import matplotlib
@@ -186,7 +187,7 @@ def write_png(report: dict[str, Any], path: str | Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib not installed: PNG chart skipped (pip install 'shmstage-client[bench]')"
+        return "matplotlib not installed: PNG chart skipped (pip install matplotlib)"
     try:
         charted = [t for t in report["tables"] if t["chart"] and t["rows"]]
         if not charted:

@@ -1,8 +1,0 @@
-"""``python -m shmstage_client.bench``; the guard matters because peers spawn processes."""
-
-import sys
-
-from . import main
-
-if __name__ == "__main__":
-    sys.exit(main())
