@@ -4,6 +4,11 @@
 directory with hundreds of checkpoints, so it reads manifests and stats files but never
 reads tensor data (``shmstage verify`` does that). A directory is a checkpoint when it holds
 the manifest, a data file, or a temporary file of a save in progress or abandoned.
+
+``scan(uid=...)`` also says whether each checkpoint was written for that user
+(``not_written_for``), before reading a byte of it: ``latest(under=...)`` restores only
+its caller's own, so that a checkpoint another user planted in a shared directory (with a
+``committed_unix`` far in the future, say) is skipped, never read.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from typing import Any
 from shmstage import datafile, names, tree
 from shmstage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
 
-__all__ = ["CheckpointInfo", "inspect", "scan"]
+__all__ = ["CheckpointInfo", "inspect", "not_written_for", "scan"]
 
 COMPLETE = "complete"
 PARTIAL = "partial"  # no manifest: a save in progress, or one that never committed
 DAMAGED = "damaged"  # a manifest, but it or the files it names are not what it says
+FOREIGN = "foreign"  # not written for the uid that asked (``scan(uid=...)``): not read
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 @dataclass(frozen=True)
@@ -50,8 +58,52 @@ def _step(metadata: Any) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def inspect(path: Path, entries: list[os.DirEntry[str]] | None = None) -> CheckpointInfo:
-    """State, step, size and file count of one checkpoint directory (no tensor data read)."""
+def not_written_for(uid: int, dir_fd: int, manifest: Manifest | None = None) -> str:
+    """Why the checkpoint directory open at ``dir_fd`` is not one written for ``uid``; ""
+    when it is.
+
+    The rule: the directory is owned by ``uid`` and nobody else may change its entries
+    (not writable by its group or others, unless sticky: then they cannot rename or remove
+    ``uid``'s); its manifest and, given ``manifest``, each data file it names are regular
+    files owned by ``uid``; and the manifest records a save by ``uid`` (shmstaged writes the
+    saving peer's uid into ``save.uid``). Whoever else could write there could have put
+    any bytes there, with valid checksums (CRC-32C proves no authorship). Root is held to
+    the same rule: it restores only checkpoints owned by root. Checked through ``dir_fd``,
+    so a directory renamed or replaced meanwhile cannot slip in between check and read.
+    """
+    st = os.fstat(dir_fd)
+    if st.st_uid != uid:
+        return f"the directory belongs to uid {st.st_uid}, not uid {uid}"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (
+            f"the directory is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}"
+            ", no sticky bit): anyone of them could have replaced its files"
+        )
+    names_ = [MANIFEST_NAME]
+    if manifest is not None:
+        recorded = manifest.save.get("uid") if isinstance(manifest.save, dict) else None
+        if recorded != uid:
+            return f"its manifest records a save by uid {recorded}, not uid {uid}"
+        names_ += list(manifest.files)
+    for name in names_:
+        if "/" in name or name in ("", ".", ".."):
+            return f"its manifest names an invalid data file {name!r}"
+        try:
+            owned = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # incomplete, which the caller reports as such
+        if not stat.S_ISREG(owned.st_mode):
+            return f"{name} is not a regular file"
+        if owned.st_uid != uid:
+            return f"{name} belongs to uid {owned.st_uid}, not uid {uid}"
+    return ""
+
+
+def inspect(
+    path: Path, entries: list[os.DirEntry[str]] | None = None, *, uid: int | None = None
+) -> CheckpointInfo:
+    """State, step, size and file count of one checkpoint directory (no tensor data read);
+    with ``uid``, FOREIGN (and nothing read) unless written for that user."""
     if entries is None:
         with os.scandir(path) as it:
             entries = list(it)
@@ -67,11 +119,22 @@ def inspect(path: Path, entries: list[os.DirEntry[str]] | None = None) -> Checkp
     if MANIFEST_NAME not in sizes:
         return CheckpointInfo(path, PARTIAL, None, total, count, problem=f"no {MANIFEST_NAME}")
     try:
-        if sizes[MANIFEST_NAME] > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{MANIFEST_NAME} is implausibly large")
-        manifest = Manifest.from_bytes((path / MANIFEST_NAME).read_bytes())
-    except (OSError, ManifestError) as exc:
+        dir_fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
         return CheckpointInfo(path, DAMAGED, None, total, count, problem=str(exc))
+    try:
+        if uid is not None and (foreign := not_written_for(uid, dir_fd)):
+            return CheckpointInfo(path, FOREIGN, None, total, count, problem=foreign)
+        try:
+            if sizes[MANIFEST_NAME] > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{MANIFEST_NAME} is implausibly large")
+            manifest = Manifest.from_bytes(_read_manifest(dir_fd))
+        except (OSError, ManifestError) as exc:
+            return CheckpointInfo(path, DAMAGED, None, total, count, problem=str(exc))
+        if uid is not None and (foreign := not_written_for(uid, dir_fd, manifest)):
+            return CheckpointInfo(path, FOREIGN, None, total, count, problem=foreign)
+    finally:
+        os.close(dir_fd)
     step = _step(manifest.metadata)
     try:
         tree.tensor_keys(manifest.tree)  # cheap: no tensor is read
@@ -91,8 +154,22 @@ def inspect(path: Path, entries: list[os.DirEntry[str]] | None = None) -> Checkp
     return CheckpointInfo(path, COMPLETE, step, total, count, committed)
 
 
-def scan(root: Path, *, max_depth: int = 4) -> list[CheckpointInfo]:
-    """Checkpoints at or below ``root`` (not inside a checkpoint; symlinks not followed).
+def _read_manifest(dir_fd: int) -> bytes:
+    """The manifest's bytes, never through a symlink, at most ``MAX_MANIFEST_BYTES``."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(MANIFEST_NAME, flags, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError(f"{MANIFEST_NAME} is not a regular file")
+        data = file.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{MANIFEST_NAME} is implausibly large")
+    return data
+
+
+def scan(root: Path, *, max_depth: int = 4, uid: int | None = None) -> list[CheckpointInfo]:
+    """Checkpoints at or below ``root`` (not inside a checkpoint; symlinks not followed);
+    with ``uid``, those not written for that user are FOREIGN (``not_written_for``).
 
     Sorted by step (checkpoints without one last), then path.
     """
@@ -105,7 +182,7 @@ def scan(root: Path, *, max_depth: int = 4) -> list[CheckpointInfo]:
         except (PermissionError, FileNotFoundError, NotADirectoryError):
             return
         if _looks_like_checkpoint(entries):
-            found.append(inspect(directory, entries))
+            found.append(inspect(directory, entries, uid=uid))
             return
         if depth >= max_depth:
             return

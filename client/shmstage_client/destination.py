@@ -22,11 +22,21 @@ descriptors of everything it writes, so the checkpoint completes even if the tra
 
 Every temporary file and pending directory is ``flock``-ed shared by its creator right
 after creation (``names.hold``); see ``shmstage.names`` for how that tells a cleaner which
-ones are still in use. A spare left by a dead trainer is such an orphan.
+ones are still in use. A spare left by a SIGKILLed trainer is such an orphan; one that
+exits without ``close()`` removes its spares at exit (``_remove_spares_at_exit``).
+
+Whoever may rename entries in the directory a checkpoint lands in can move the checkpoint
+away and put one of their own at its path. So a save goes only into a directory (the
+existing one it writes into, or the parent of the new one) that this user or root owns
+and that nobody else may change: not writable by its group or others, unless it has the
+sticky bit, as ``/tmp`` has (``check_private``). A shared group root (``2770``) needs the
+sticky bit (``chmod +t``, then only each entry's owner renames it) or a run directory
+per user inside it. Root is held to the same rule with itself as the only trusted owner.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import errno
@@ -34,6 +44,7 @@ import json
 import logging
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +65,28 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 #: O_RDWR, not O_WRONLY: NFS emulates flock with byte-range locks, whose shared kind needs
 #: a descriptor open for reading.
 _CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def check_private(st: os.stat_result, path: Path, what: str) -> None:
+    """Refuse a directory another user could change: one that belongs to neither this
+    user nor root, or that its group or others may write without the sticky bit. Its
+    owner, or anyone who may rename its entries, could move a checkpoint saved there and
+    plant another in its place; ``what``: how the directory serves the save."""
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise DestinationError(
+            f"{path} ({what}) belongs to uid {st.st_uid}, not to this user (uid {me}) or "
+            "root: its owner could replace the checkpoint saved there; save under a "
+            "directory of your own (a run directory per user) — nothing was written"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        mode = stat.S_IMODE(st.st_mode)
+        raise DestinationError(
+            f"{path} ({what}) is writable by its group or others (mode {mode:o}) without "
+            "the sticky bit: any of them could rename the checkpoint saved there and put "
+            f"another in its place; `chmod +t {path}` (as /tmp is), or save under a run "
+            "directory of your own that only you may write (chmod go-w) — nothing was written"
+        )
 
 
 def check_data_file(name: str) -> str:
@@ -154,6 +187,7 @@ class Target:
         target = cls(dir_fd, data_file)
         target.path = path
         with target._undone_on_failure():
+            check_private(os.fstat(dir_fd), path, "the existing directory saved into")
             for existing in (MANIFEST_NAME, data_file):
                 if _exists(existing, dir_fd):
                     raise CheckpointExists(
@@ -177,9 +211,17 @@ class Target:
         except OSError as exc:
             _remove_dirs(created)
             raise _unusable(parent, exc) from None
+        try:
+            check_private(os.fstat(parent_fd), parent, "the new checkpoint's parent")
+        except BaseException:
+            os.close(parent_fd)
+            _remove_dirs(created)
+            raise
         name = names.pending_dir_name()
         try:
-            os.mkdir(name, 0o777, dir_fd=parent_fd)
+            # Never writable by others, whatever the umask: readers trust a checkpoint
+            # directory only if nobody else could have changed it (listing.not_written_for).
+            os.mkdir(name, 0o755, dir_fd=parent_fd)
             dir_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
         except OSError as exc:
             os.close(parent_fd)
@@ -222,8 +264,9 @@ class Target:
         try:
             here, ours = os.stat(parent), os.fstat(self.parent_fd)
             alive = os.fstat(self.dir_fd).st_nlink > 0
-        except OSError:
-            return False
+            check_private(ours, parent, "the new checkpoint's parent")
+        except (OSError, DestinationError):
+            return False  # a new pending directory says why, if it cannot be made either
         return alive and (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino)
 
     def fds(self) -> list[int]:
@@ -261,11 +304,40 @@ class Target:
         self.data_fd = self.manifest_fd = self.dir_fd = self.parent_fd = -1
 
 
+#: Spares made (or being made) and neither taken nor removed, of every Spares in this
+#: process: what ``_remove_spares_at_exit`` removes when a trainer exits without close().
+_UNTAKEN: set[concurrent.futures.Future[Target]] = set()
+_UNTAKEN_LOCK = threading.Lock()
+
+
+@atexit.register
+def _remove_spares_at_exit() -> None:
+    """A trainer that exits without ``Stager.close()`` (the README's one-liner) must not
+    leave a hidden pending directory of two empty files beside its checkpoints. At exit
+    the Stager's background threads have finished (``concurrent.futures`` joins them
+    before ``atexit`` runs), so every spare asked for is made by now; one that is not
+    (its thread hung) is left to ``shmstage gc`` and its lock."""
+    with _UNTAKEN_LOCK:
+        untaken = list(_UNTAKEN)
+        _UNTAKEN.clear()
+    for future in untaken:
+        if future.done():
+            _abort_when_made(future)
+
+
+def _untaken(future: concurrent.futures.Future[Target], *, add: bool) -> None:
+    with _UNTAKEN_LOCK:
+        if add:
+            _UNTAKEN.add(future)
+        else:
+            _UNTAKEN.discard(future)
+
+
 class Spares:
     """The next save's pending directory, made in the background after each save.
 
     Only the saving thread calls ``take`` and ``prepare``; the work runs on the Stager's
-    background thread, one task at a time.
+    background thread, one task at a time. A spare not taken by exit is removed then.
     """
 
     def __init__(self, background: concurrent.futures.Executor, data_file: str) -> None:
@@ -280,6 +352,7 @@ class Spares:
         if future is None or not future.done() or self._parent != path.parent:
             return None
         self._future = self._parent = None
+        _untaken(future, add=False)
         try:
             spare = future.result()
         except (OSError, SaveError) as exc:
@@ -296,9 +369,11 @@ class Spares:
         if self._future is not None:
             if self._parent == parent:
                 return  # still being made, or made and not used yet
+            _untaken(self._future, add=False)
             self._background.submit(_abort_when_made, self._future)
         self._parent = parent
         self._future = self._background.submit(Target.pending_in, parent, self._data_file)
+        _untaken(self._future, add=True)
 
     def ready(self, timeout: float | None = None) -> bool:
         """Wait until the spare (if one is being made) is made; for tests and benchmarks."""
@@ -311,6 +386,7 @@ class Spares:
     def close(self) -> None:
         """Remove the spare (waits for one being made: the background runs in order)."""
         if self._future is not None:
+            _untaken(self._future, add=False)
             self._background.submit(_abort_when_made, self._future).result()
             self._future = self._parent = None
 

@@ -5,8 +5,10 @@ manifest's digest) or a ``latest`` (this user's newest) with the slot's segments
 read-only descriptors. A reader that copies everything (``restore``) keeps the
 descriptors and reads through them (``reading.SegmentSource``) when this process can hold
 that many; otherwise, and for readers that want views (DCP), they are mapped ``PROT_READ``
-back to back in one address range (``segment.Region``) and closed at once. While the lease
-holds, the daemon never refills the slot, so what is read cannot change; ``end()`` says
+back to back in one address range (``segment.Region``) and closed at once — batch by
+batch, so that a process with a short descriptor table (``ulimit -n 40``) still restores
+from memory, a few segments per message (``lease_batch``). While the lease holds, the
+daemon never refills the slot, so what is read cannot change; ``end()`` says
 whether the lease still held when the reading was done (it expires after the seconds the
 daemon granted, and dies with the connection).
 """
@@ -21,12 +23,43 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from shmstage import segment
+from shmstage.protocol import MAX_FDS_PER_FRAME
+from shmstage_client import connection as _connection
 from shmstage_client.connection import DaemonConnection, receivable_fds, room_for_fds
 from shmstage_client.errors import DaemonLost, SaveError
 from shmstage_client.reading import MappedSource, SegmentSource, Source
 
 #: Seconds to wait for the daemon's answers (it maps nothing; this bounds a hung daemon).
 REQUEST_TIMEOUT: Final = 30.0
+#: Descriptors a lease leaves free for everything else when the table is short: a lease
+#: maps and closes each batch before the next comes, and opens at most a data file
+#: meanwhile (a registration keeps its segments' descriptors: it needs more room).
+SHORT_HEADROOM: Final = 8
+
+
+class LeaseBroken(SaveError):
+    """The daemon granted a lease whose segments could not be received or mapped (a
+    truncated segment, descriptors short, the connection lost); ``body``: its answer,
+    which names the checkpoint (directory, digest) for a reader that falls back to files."""
+
+    def __init__(self, why: str, body: dict[str, Any]) -> None:
+        super().__init__(why)
+        self.body = body
+
+
+def lease_batch() -> int:
+    """Segments per message to ask for: ``receivable_fds``, or where the descriptor table
+    is too short for that (it wants room for two batches of 253 and 32 spare) as many as
+    fit two at a time in what is left, down to one — slower, never refused while a single
+    descriptor fits; raises SaveError (naming the limit to raise) only then."""
+    try:
+        return receivable_fds()
+    except SaveError:
+        soft, in_use = _connection._descriptors()
+        batch = (soft - in_use - SHORT_HEADROOM) // 2
+        if batch < 1:
+            raise
+        return min(batch, MAX_FDS_PER_FRAME)
 
 
 class MemoryLease:
@@ -57,10 +90,11 @@ class MemoryLease:
     ) -> MemoryLease:
         """Ask for a lease (``op``: "lease" or "latest") and map what comes back — or, with
         ``keep_fds`` and room for them in this process, keep the descriptors (``source``
-        reads through them); raises DaemonRefused ("not_retained" and others) or
-        DaemonLost."""
-        handle = connection.start(op, {**body, "max_fds": receivable_fds()}, fds)
+        reads through them); raises DaemonRefused ("not_retained" and others), DaemonLost
+        before the daemon answered, or LeaseBroken after (its answer kept)."""
+        handle = connection.start(op, {**body, "max_fds": lease_batch()}, fds)
         lease: MemoryLease | None = None
+        reply = None
         try:
             reply = handle.next(timeout)
             if reply.op != "leased":
@@ -92,6 +126,12 @@ class MemoryLease:
                 finally:
                     for fd in frame.fds[kept:]:
                         os.close(fd)
+        except (SaveError, OSError, ValueError) as exc:
+            if lease is not None:
+                lease.close()
+            if reply is None or reply.op != "leased" or isinstance(exc, LeaseBroken):
+                raise
+            raise LeaseBroken(str(exc) or type(exc).__name__, reply.body) from exc
         except BaseException:
             if lease is not None:
                 lease.close()

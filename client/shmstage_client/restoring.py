@@ -9,9 +9,22 @@ a path — and if so reads the slot's segments through a read-only lease at memo
 which it restores even while it is still being written (the slot's bytes are complete
 once the save was acknowledged; it has no checksums yet, so ``verified`` is False).
 
+``latest()`` takes the structure and the checksums from the daemon's own record of the
+checkpoint, never from a manifest found at a path: whoever may write in a directory may
+have moved, replaced or rewritten what is there since (another user in ``/tmp`` or in a
+shared group root). It looks at the disk only to say, in ``Restored.reason``, what changed
+there. Where it reads files instead — no daemon, the memory read failed, ``under=``'s
+directory scan — it takes only checkpoints written for the caller
+(``listing.not_written_for``: directory, manifest and data files owned by the caller's
+uid, nobody else able to change the directory, the manifest recording a save by that
+uid) and, for the files the daemon named, only the manifest the daemon wrote (same
+digest). ``load(path)``/``restore(path)`` read what the caller named: any readable
+checkpoint, someone else's included.
+
 Anything else — no daemon, another node, given back, a changed file, a checksum that fails
-in memory, a lease that expired — falls back to the files without a word, and the result
-says where it came from (``Restored.source``) and why (``Restored.reason``).
+in memory, a lease that expired or ended with the daemon — falls back to the files without
+a word, and the result says where it came from (``Restored.source``) and why
+(``Restored.reason``).
 """
 
 from __future__ import annotations
@@ -35,8 +48,8 @@ from shmstage.packing import Packing
 from shmstage_client import reading
 from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection, expect_fds
-from shmstage_client.errors import SaveError
-from shmstage_client.lease import MemoryLease
+from shmstage_client.errors import DaemonRefused, SaveError
+from shmstage_client.lease import LeaseBroken, MemoryLease
 from shmstage_client.loading import CheckpointFiles, torch_dtype, unflatten
 from shmstage_client.reading import Placement, transfer
 
@@ -74,7 +87,8 @@ class Restored:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: The daemon's job id of the save (from memory).
     job: int | None = None
-    #: Why not from memory, when from the files.
+    #: Why not from memory, when from the files; from memory, what changed on disk since
+    #: the save (its directory moved, replaced or deleted, its manifest changed), if anything.
     reason: str = ""
     #: Seconds of each part of a restore from memory: ``lease`` (asking the daemon and
     #: receiving its descriptors; for ``latest``, also reading the manifest it names) and
@@ -83,12 +97,13 @@ class Restored:
 
 
 class NotInMemory(Exception):
-    """Why the daemon's memory cannot serve this restore; ``path``: the files to read
-    instead, where known."""
+    """Why the daemon's memory cannot serve this restore; ``path`` and ``digest``: the
+    checkpoint the daemon named (its directory, its manifest's digest), when durable."""
 
-    def __init__(self, why: str, path: Path | None = None) -> None:
+    def __init__(self, why: str, path: Path | None = None, digest: str = "") -> None:
         super().__init__(why)
         self.path = path
+        self.digest = digest
 
 
 #: What makes a restore from memory give way to the files.
@@ -126,7 +141,7 @@ def restore(
                             files.manifest.metadata, job, phases=phases,
                         ),
                     )
-                except FALLBACK as exc:
+                except (*FALLBACK, NotInMemory) as exc:  # a lease may end mid-copy
                     reason = _why(exc)
                     if source == "memory":
                         raise CheckpointError(
@@ -161,18 +176,21 @@ def latest(
     """This user's newest acknowledged checkpoint, restored to ``device``.
 
     The daemon knows it, so a restart script lists no directories: from memory (even
-    while it is still being written), else from its files. ``under``: only checkpoints
-    whose directory is in this one (e.g. ``/ckpt/run7`` for ``/ckpt/run7/step-500``) —
-    also where to look, newest complete first, when no daemon can answer. ``like``: only
-    checkpoints of this state dict's structure (keys, dtypes, shapes), e.g. the fresh
-    model's ``state_dict()``. With several trainers of one user on a node, pass one of
-    them, or ``load`` each trainer's own path.
+    while it is still being written, and after its directory was moved or deleted), else
+    from its files. ``under``: only checkpoints whose directory is in this one (e.g.
+    ``/ckpt/run7`` for ``/ckpt/run7/step-500``; matched by the directory itself, or by
+    path once it was moved or replaced) — also where to look, newest complete first, when
+    memory cannot serve. Files are read only when written for this user (see the module's
+    docstring); others are skipped, and the error says which and why when none is left.
+    ``like``: only checkpoints of this state dict's structure (keys, dtypes, shapes), e.g.
+    the fresh model's ``state_dict()``. With several trainers of one user on a node, pass
+    one of them, or ``load`` each trainer's own path.
     """
     check_source(source)
     device = torch.device(device)
     started = time.perf_counter()
     connection: DaemonConnection | None = None
-    reason, hint = "source='files'", None
+    reason, named = "source='files'", None
     reading.prepare(device)
     try:
         if source != "files":
@@ -181,17 +199,17 @@ def latest(
                 restored = _latest(connection, device, verify, like, under)
                 return _report(connection, started, restored)
             except NotInMemory as exc:
-                reason, hint = str(exc), exc.path
+                reason, named = str(exc), exc
             except FALLBACK as exc:
                 reason = _why(exc)
             if source == "memory":
                 raise CheckpointError(f"cannot restore from shmstaged's memory: {reason}")
         try:
-            path = hint if hint is not None else _newest_under(under, reason)
+            files = _callers_files(named, under, reason)
         except CheckpointError:
             reading.release_staging()  # nothing to restore: a fresh start needs no staging
             raise
-        with CheckpointFiles(path) as files:
+        with files:
             tensors, nbytes = files.read(device, verify=verify)
             return _report(
                 connection,
@@ -344,7 +362,10 @@ def _read(
     tensors = transfer(lease.source(where), placements, device, verify=verify)
     phases["transfer"] = time.perf_counter() - begun
     if not lease.end():
-        raise NotInMemory("the lease on the daemon's memory expired before the copy was done")
+        raise NotInMemory(
+            "the lease on the daemon's memory ended before the copy was done (it expired, "
+            "or the daemon stopped): what was copied may be torn"
+        )
     return tensors
 
 
@@ -355,78 +376,201 @@ def _latest(
     like: Any,
     under: str | os.PathLike[str] | None,
 ) -> Restored:
+    """The newest checkpoint the daemon holds for this user, read from its memory with
+    the daemon's own record of its structure and checksums; raises NotInMemory naming
+    the checkpoint's files where they exist."""
     body: dict[str, Any] = {}
     if like is not None:
         body["structure"] = _structure(like)
     begun = time.perf_counter()
-    fds = []
-    if under is not None:
-        try:
-            fds.append(os.open(under, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        except OSError as exc:
-            raise CheckpointError(f"latest(under={str(under)!r}): {exc.strerror}") from None
     try:
-        lease = MemoryLease.take(connection, "latest", body, fds, keep_fds=True)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        lease, moved = _lease_latest(connection, body, under)
+    except LeaseBroken as exc:
+        raise NotInMemory(_why(exc), *_named(exc.body)) from None
+    info = lease.body
     try:
-        info = lease.body
-        directory = Path(info["directory"])
-        durable = info["durable"]
-        if durable:
-            encoded, metadata, specs = _durable_structure(directory, info)
-        else:  # still being written: no manifest, no checksums yet
-            encoded, metadata = info.get("tree"), info.get("metadata") or {}
-            layout = Layout.from_wire(info.get("tensors"), max_tensors=1 << 30)
-            specs = [
-                (spec.key, torch_dtype(spec.key, spec.dtype), spec.shape, None)
-                for spec in layout.tensors
-            ]
+        specs = _recorded_specs(info)
         phases = {"lease": time.perf_counter() - begun}
         tensors = _read(lease, specs, device, verify, phases)
+        directory = Path(info["directory"])
+        state = unflatten(info.get("tree"), tensors, directory)
     except NotInMemory as exc:
-        exc.path = exc.path or _files_of(lease)
+        exc.path, exc.digest = _named(info)
         raise
     except FALLBACK as exc:  # e.g. a checksum that failed in memory: the files may not
-        raise NotInMemory(_why(exc), _files_of(lease)) from None
+        raise NotInMemory(_why(exc), *_named(info)) from None
     finally:
         lease.close()
+    changed = "; ".join(why for why in (moved, _changed_on_disk(info)) if why)
     return Restored(
-        unflatten(encoded, tensors, directory),
+        state,
         "memory",
         directory,
         0.0,
         sum(lease.sizes),
-        verify and durable,
-        durable,
-        metadata,
+        verify and info.get("checksums") is not None,
+        info["durable"],
+        info.get("metadata") or {},
         info["job"],
+        reason=changed,
         phases=phases,
     )
 
 
-def _files_of(lease: MemoryLease) -> Path | None:
-    """Where a leased checkpoint's files are, if it has any yet."""
-    return Path(lease.body["directory"]) if lease.body["durable"] else None
-
-
-def _durable_structure(
-    directory: Path, info: dict[str, Any]
-) -> tuple[Any, dict[str, Any], list[Spec]]:
-    """The structure and checksums from the checkpoint's own manifest on disk, which must
-    be the one the daemon wrote (same digest)."""
+def _lease_latest(
+    connection: DaemonConnection, body: dict[str, Any], under: str | os.PathLike[str] | None
+) -> tuple[MemoryLease, str]:
+    """Lease this user's newest checkpoint (in ``under``: the directory, by its identity);
+    and what is to be said when ``under`` had to be matched by path instead, because the
+    directory at that path is not (or no longer) the one the checkpoint was saved in."""
+    if under is None:
+        return MemoryLease.take(connection, "latest", body, keep_fds=True), ""
     try:
-        files = CheckpointFiles(directory)
+        fd = os.open(under, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        gone = f"{under}: {exc.strerror}"
+    else:
+        try:
+            return MemoryLease.take(connection, "latest", body, [fd], keep_fds=True), ""
+        except DaemonRefused as exc:
+            if exc.code != "not_retained":
+                raise
+            gone = f"{under} is not the directory the checkpoint was saved in"
+        finally:
+            os.close(fd)
+    lease = MemoryLease.take(connection, "latest", body, keep_fds=True)
+    if Path(lease.body["directory"]).parent != _absolute(under):
+        lease.close()
+        raise NotInMemory(f"shmstaged holds no checkpoint of this user in {under} ({gone})")
+    return lease, f"{gone} (moved, replaced or deleted)"
+
+
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(path))
+
+
+def _named(info: dict[str, Any]) -> tuple[Path | None, str]:
+    """The files a lease's answer names (directory, manifest digest), once durable."""
+    if not (info.get("durable") and isinstance(info.get("directory"), str)):
+        return None, ""
+    return Path(info["directory"]), str(info.get("digest") or "")
+
+
+def _recorded_specs(info: dict[str, Any]) -> list[Spec]:
+    """Key, dtype, shape and checksum of each tensor, in layout order, as the daemon
+    recorded them (no checksums while the checkpoint is still being written)."""
+    layout = Layout.from_wire(info.get("tensors"), max_tensors=1 << 30)
+    checksums = info.get("checksums")
+    if checksums is None:
+        checksums = [None] * len(layout.tensors)
+    elif len(checksums) != len(layout.tensors) or not all(
+        isinstance(crc, int) and not isinstance(crc, bool) for crc in checksums
+    ):
+        raise NotInMemory("shmstaged's checksums do not match the checkpoint's tensors")
+    return [
+        (spec.key, torch_dtype(spec.key, spec.dtype), spec.shape, crc)
+        for spec, crc in zip(layout.tensors, checksums, strict=True)
+    ]
+
+
+def _changed_on_disk(info: dict[str, Any]) -> str:
+    """What became of a durable checkpoint's directory since the daemon wrote it: "" when
+    it still holds that checkpoint. Only said, never read from: another user's directory
+    is not even opened past its owner."""
+    if not info["durable"]:
+        return ""  # its files are still being written
+    directory = Path(info["directory"])
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return f"{directory} no longer exists (moved or deleted)"
+    except OSError as exc:
+        return f"{directory}: {exc.strerror}"
+    try:
+        foreign = listing.not_written_for(os.geteuid(), dir_fd)
+    finally:
+        os.close(dir_fd)
+    if foreign:
+        return f"{directory} was replaced: {foreign}"
+    try:
+        with CheckpointFiles(directory) as files:
+            same = digest(files.document) == info["digest"]
     except CheckpointError as exc:
-        raise NotInMemory(f"its manifest cannot be read to check it: {exc}", directory) from None
-    with files:
-        if digest(files.document) != info["digest"]:
-            raise NotInMemory(
-                f"{directory} no longer holds the checkpoint in memory (its manifest changed)",
-                directory,
-            )
-        return files.manifest.tree, files.manifest.metadata, specs_of(files, info["data_file"])
+        return f"{directory} no longer holds the checkpoint: {exc}"
+    return "" if same else f"{directory}'s manifest changed since shmstaged wrote it"
+
+
+def _callers_files(
+    named: NotInMemory | None, under: str | os.PathLike[str] | None, reason: str
+) -> CheckpointFiles:
+    """The files to restore when memory cannot: those the daemon named, if still the
+    checkpoint it wrote and written for this user; else the newest complete checkpoint of
+    this user directly in ``under``."""
+    skipped: list[str] = []
+    if (
+        named is not None
+        and named.path is not None
+        and (under is None or named.path.parent == _absolute(under))
+    ):
+        files, why = _open_callers(named.path, named.digest)
+        if files is not None:
+            return files
+        skipped.append(why)
+    if under is None:
+        raise CheckpointError(
+            f"no checkpoint to restore: {reason}"
+            + "".join(f"; {why}" for why in skipped)
+            + "; pass under= (the directory holding the checkpoints) to look there, or "
+            "load(path)"
+        )
+    found = [
+        info
+        for info in listing.scan(Path(under), max_depth=1, uid=os.geteuid())
+        if info.path != Path(under)
+    ]
+    skipped += [f"{info.path}: {info.problem}" for info in found if info.state == listing.FOREIGN]
+    complete = [info for info in found if info.state == listing.COMPLETE]
+    for info in sorted(complete, key=_newest_first):
+        files, why = _open_callers(info.path)
+        if files is not None:
+            return files
+        skipped.append(why)
+    raise CheckpointError(
+        f"no complete checkpoint of uid {os.geteuid()} in {under} ({reason})"
+        + "".join(f"; skipped {why}" for why in skipped)
+    )
+
+
+def _newest_first(info: listing.CheckpointInfo) -> tuple[float, str]:
+    return (-(info.committed_unix or 0.0), str(info.path))
+
+
+def _open_callers(path: Path, expected: str = "") -> tuple[CheckpointFiles | None, str]:
+    """The checkpoint at ``path`` opened, if written for this user (and its manifest's
+    digest is ``expected``, when given); else None and why not. Its manifest is not read
+    unless the directory and the manifest file are this user's."""
+    uid = os.geteuid()
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, f"{path}: {exc.strerror}"
+    try:
+        foreign = listing.not_written_for(uid, dir_fd)
+    finally:
+        os.close(dir_fd)
+    if foreign:
+        return None, f"{path} is not this user's checkpoint: {foreign}"
+    try:
+        files = CheckpointFiles(path)
+    except CheckpointError as exc:
+        return None, str(exc)
+    foreign = listing.not_written_for(uid, files.dir_fd, files.manifest)  # what is read
+    if not foreign and expected and digest(files.document) != expected:
+        foreign = "its manifest is not the one shmstaged wrote (changed or replaced since)"
+    if foreign:
+        files.close()
+        return None, f"{path} is not this user's checkpoint: {foreign}"
+    return files, ""
 
 
 def _structure(like: Any) -> str:
@@ -434,20 +578,3 @@ def _structure(like: Any) -> str:
     from shmstage_client.prepared import Prepared
 
     return Prepared.of(like, None).layout().digest()
-
-
-def _newest_under(under: str | os.PathLike[str] | None, reason: str) -> Path:
-    """Without the daemon: the newest complete checkpoint directly in ``under``."""
-    if under is None:
-        raise CheckpointError(
-            f"no checkpoint to restore: {reason}; pass under= (the directory holding the "
-            "checkpoints) to look there, or load(path)"
-        )
-    complete = [
-        info
-        for info in listing.scan(Path(under), max_depth=1)
-        if info.state == listing.COMPLETE and info.path != Path(under)
-    ]
-    if not complete:
-        raise CheckpointError(f"no complete checkpoint in {under} ({reason})")
-    return max(complete, key=lambda info: (info.committed_unix or 0.0, str(info.path))).path

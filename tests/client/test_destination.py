@@ -213,3 +213,63 @@ def test_close_waits_for_a_spare_still_being_made_and_removes_it(
     stager.close()  # the spare's mkdir and creates take 1.5 s in the background
     assert time.monotonic() - started >= slow_filesystem.delay
     assert sorted(os.listdir(ckpt)) == ["s1"]
+
+
+def test_a_trainer_that_exits_without_close_leaves_no_pending_directory(daemon, ckpt) -> None:
+    """The README's one-liner saves and exits without close(): the spare made for its next
+    save is removed at exit, not left as a hidden directory of two empty files."""
+    script = (
+        "import torch\n"
+        "from shmstage_client import Stager\n"
+        f"Stager({str(daemon.socket)!r}).save({{'w': torch.ones(4)}}, {str(ckpt / 'c')!r})"
+        ".wait(60)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["c"]
+    assert_same(load(ckpt / "c"), {"w": torch.ones(4)})
+
+
+def _shared(path: Path, mode: int, uid: int = 0) -> Path:
+    path.mkdir()
+    path.chmod(mode)
+    os.chown(path, uid, -1)
+    return path
+
+
+def test_a_save_refuses_a_directory_another_user_could_change_and_says_the_fix(
+    daemon, ckpt
+) -> None:
+    """Whoever may rename entries where a checkpoint lands can swap it for their own: a
+    group root without the sticky bit (2770), a world-writable directory saved into, a
+    directory of another user — refused, naming it, its mode or owner, and the fix; a
+    sticky one (as /tmp) is fine."""
+    if os.geteuid() != 0:
+        pytest.skip("directories of another owner need root")
+    nobody = 65534
+    group_root, world = _shared(ckpt / "group-root", 0o2770), _shared(ckpt / "open", 0o777)
+    theirs, loose = _shared(ckpt / "theirs", 0o755, nobody), _shared(ckpt / "loose", 0o777)
+    cases = [  # where the directory is, where the save goes, what the refusal says
+        (group_root, group_root / "step-1", "mode 2770", "chmod +t"),
+        (world, world / "step-1", "mode 777", "chmod +t"),
+        (theirs, theirs / "step-1", "belongs to uid 65534", "directory of your own"),
+        (loose, loose, "the existing directory saved into", "chmod +t"),
+    ]
+    with Stager(daemon.socket) as stager:
+        for directory, into, said, fix in cases:
+            with pytest.raises(DestinationError) as refused:
+                stager.save(state(1), into)
+            assert str(directory) in str(refused.value) and said in str(refused.value)
+            assert fix in str(refused.value) and "nothing was written" in str(refused.value)
+            assert os.listdir(directory) == []
+        sticky = _shared(ckpt / "sticky", 0o3770)  # the fix: only owners rename entries
+        stager.save(state(2), sticky / "step-2").wait(60)
+        old_umask = os.umask(0o002)  # a group-friendly umask: the checkpoint stays ours
+        try:
+            stager.save(state(3), ckpt / "step-3").wait(60)
+        finally:
+            os.umask(old_umask)
+    assert (ckpt / "step-3").stat().st_mode & 0o022 == 0
+    assert_same(load(sticky / "step-2"), state(2))

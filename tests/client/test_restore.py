@@ -8,6 +8,7 @@ that every checksum is combined from parts computed on several threads.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import resource
 import shutil
@@ -265,6 +266,101 @@ def test_latest_without_a_daemon_takes_the_newest_complete_checkpoint_under(
     assert_same(result.state, state(2))
     with pytest.raises(CheckpointError, match="pass under="):
         latest(socket=nowhere)
+
+
+def test_latest_restores_from_memory_whatever_became_of_the_directory_and_says_what(
+    daemon, ckpt: Path
+) -> None:
+    """The daemon's own record (structure, checksums) serves: a changed manifest, a
+    checkpoint archived elsewhere or deleted, a run directory renamed — still the bytes
+    from memory, verified, with the reason saying what changed on disk."""
+    run = ckpt / "run"
+    run.mkdir()
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.save(state(1), run / "s1").wait(60)
+        stager.save(state(2), run / "s2").wait(60)
+        plain = latest(socket=daemon.socket)
+        assert (plain.source, plain.verified, plain.reason) == ("memory", True, "")
+        manifest = run / "s2" / MANIFEST_NAME
+        manifest.write_bytes(manifest.read_bytes() + b"\n")  # same content, other bytes
+        changed = latest(socket=daemon.socket)
+        assert (changed.source, changed.verified, changed.path) == ("memory", True, run / "s2")
+        assert "manifest changed" in changed.reason
+        assert_same(changed.state, state(2))
+        (ckpt / "archive").mkdir()
+        os.rename(run / "s2", ckpt / "archive" / "s2")  # a job script archives it
+        for under in (None, run):
+            moved = latest(socket=daemon.socket, under=under)
+            assert (moved.source, moved.verified, moved.durable) == ("memory", True, True)
+            assert f"{run / 's2'} no longer exists (moved or deleted)" in moved.reason
+            assert_same(moved.state, state(2))
+        shutil.rmtree(ckpt / "archive")
+        assert latest(socket=daemon.socket).source == "memory"
+        os.rename(run, ckpt / "run-done")  # the run directory itself, by path
+        renamed = latest(socket=daemon.socket, under=run)
+        assert renamed.source == "memory" and "moved, replaced or deleted" in renamed.reason
+        assert_same(renamed.state, state(2))
+        with pytest.raises(CheckpointError, match="no complete checkpoint"):
+            latest(socket=daemon.socket, under=ckpt / "elsewhere")
+
+
+def _truncate_largest_segment(daemon) -> None:
+    """As the daemon's uid (root here): the largest segment of its slots loses its bytes,
+    so a lease's segment no longer holds the checkpoint (a real, early memory failure)."""
+    from shmstage import segment
+
+    names = daemon.segments()
+    largest = max(names, key=lambda name: os.stat(segment.SHM_DIR + name).st_size)
+    os.truncate(segment.SHM_DIR + largest, 0)
+
+
+def test_when_memory_fails_early_latest_reads_the_files_the_daemon_named_if_unchanged(
+    daemon, ckpt: Path
+) -> None:
+    with Stager(daemon.socket, slots=1) as stager:
+        stager.save(state(1), ckpt / "s1").wait(60)
+        stager.save(state(2), ckpt / "s2").wait(60)  # refills the one slot
+        _truncate_largest_segment(daemon)
+        named = latest(socket=daemon.socket)
+        assert (named.source, named.path, named.verified) == ("files", ckpt / "s2", True)
+        assert "segment is 0 bytes" in named.reason
+        assert_same(named.state, state(2))
+        manifest = ckpt / "s2" / MANIFEST_NAME
+        manifest.write_bytes(manifest.read_bytes() + b"\n")  # no longer what the daemon wrote
+        with pytest.raises(CheckpointError, match="not the one shmstaged wrote") as refused:
+            latest(socket=daemon.socket)
+        assert "no checkpoint to restore" in str(refused.value)
+        shutil.rmtree(ckpt / "s2")  # archived: the older one under under= is next
+        older = latest(socket=daemon.socket, under=ckpt)
+        assert (older.source, older.path) == ("files", ckpt / "s1")
+        assert_same(older.state, state(1))
+
+
+def test_a_short_descriptor_table_restores_from_memory_batch_by_batch(
+    daemon, ckpt: Path
+) -> None:
+    """At ``ulimit -n 40`` a lease of 200 segments comes a few per message, each mapped
+    and closed before the next: from memory, not refused ("raise the limit")."""
+    many = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(200)}
+    with Stager(daemon.socket) as stager:
+        stager.save(many, ckpt / "many").wait(60)
+        script = (
+            "import json, torch\n"
+            "from shmstage_client import latest, load\n"
+            f"newest = latest(socket={str(daemon.socket)!r})\n"
+            f"by_path = load({str(ckpt / 'many')!r}, with_info=True, socket="
+            f"{str(daemon.socket)!r})\n"
+            "exact = all(torch.equal(r.state[f't{i}'], torch.full((i + 1,), float(i)))"
+            " for r in (newest, by_path) for i in range(200))\n"
+            "print(json.dumps([newest.source, by_path.source, exact, newest.reason,"
+            " by_path.reason]))\n"
+        )
+        run = subprocess.run(
+            ["bash", "-c", 'ulimit -n 40 && exec "$0" -c "$1"', sys.executable, script],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout) == ["memory", "memory", True, "", ""]
 
 
 # -- DCP --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ it is bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -38,7 +39,7 @@ from shmstage_client import (
     latest,
     load,
 )
-from shmstage_client.errors import SlotUnavailable
+from shmstage_client.errors import SaveError, SlotUnavailable
 
 from shmstage import manifest, segment
 from shmstage.cli import format_status
@@ -394,3 +395,44 @@ def test_a_retained_checkpoint_expires_after_its_ttl(daemons, ckpt: Path) -> Non
     with pytest.raises(CheckpointError, match="no checkpoint to restore"):
         latest(socket=daemon.socket)
     assert latest(socket=daemon.socket, under=ckpt).path == ckpt / "c"  # from the files
+
+
+@pytest.mark.parametrize("ending", ["SIGKILL", "SIGTERM", "expiry"])
+def test_a_lease_that_ends_mid_restore_falls_back_to_the_files(
+    daemons, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """The daemon killed or stopped, or the lease run out, while ``load`` holds it: the
+    bytes it copied may be torn, so the files are read instead — never the internal
+    NotInMemory. The kill, the stop and the expiry are real; only their moment is chosen,
+    by a hook at the start of the copy out of memory."""
+    from shmstage_client import restoring
+
+    config = tmp_path / "lease.toml"
+    config.write_text("[retention]\nlease_seconds = 1\nmax_lease_seconds = 1\n")
+    daemon = daemons("--config", str(config))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    expected = make_state(9)
+    real_transfer = restoring.transfer
+
+    def lease_ends_then_copy(*args: object, **kwargs: object):
+        if ending == "SIGKILL":
+            daemon.kill()
+        elif ending == "SIGTERM":
+            daemon.proc.terminate()
+            daemon.proc.wait(30)
+        else:
+            daemon.wait_log("expired after")
+        return real_transfer(*args, **kwargs)
+
+    stager = Stager(daemon.socket)
+    try:
+        stager.save(expected, ckpt / "c").wait(60)
+        monkeypatch.setattr(restoring, "transfer", lease_ends_then_copy)
+        got = restored(ckpt / "c", daemon)
+    finally:
+        with contextlib.suppress(SaveError):  # the daemon may be gone
+            stager.close(timeout=10)
+    assert got.source == "files" and got.verified, got.reason
+    assert "expired" in got.reason or "lease" in got.reason, got.reason
+    assert_same_state(got.state, expected)
