@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
 import crc32c
 
 from shmstage import datafile, tree
-from shmstage.datafile import DataFileError
 from shmstage.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -45,6 +44,47 @@ def checksum(view: memoryview | bytes, value: int = 0) -> int:
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
+
+
+# The rules every reader of a checkpoint's files applies (``Checkpoint`` here, for verify
+# and ls; the client's ``CheckpointFiles``, for load), beyond the manifest's own
+# (``Manifest.from_bytes``): which names may be data files, how a data file's header is read,
+# and how a tensor's record and its header entry must agree.
+
+
+def check_data_name(directory: Path, name: str) -> None:
+    """A data file lies in the checkpoint's own directory and has the safetensors suffix."""
+    if "/" in name or name in ("", ".", "..") or not name.endswith(datafile.SUFFIX):
+        raise CheckpointError(f"{directory}: manifest names an invalid data file {name!r}")
+
+
+def read_header(read: Callable[[int], bytes], size: int, where: Path) -> datafile.Header:
+    """A data file's safetensors header; ``read(n)``: the file's first ``n`` bytes."""
+    try:
+        length = datafile.header_length(read(min(8, size)))
+        return datafile.parse_header(read(min(length, size)), size)
+    except ValueError as exc:  # DataFileError, or an int past Python's digit limit
+        raise CheckpointError(f"{where}: {exc}") from exc
+
+
+def locate(
+    record: TensorRecord, header: datafile.Header | None, where: str
+) -> datafile.TensorEntry:
+    """Where ``record``'s bytes lie in its data file, whose header must agree with the
+    manifest (``where``: the tensor and file, for the message)."""
+    entry = header.tensors.get(record.key) if header else None
+    if entry is None:
+        raise CheckpointError(f"{where}: missing from the file's safetensors header")
+    if entry.dtype != record.dtype or entry.shape != record.shape:
+        raise CheckpointError(
+            f"{where}: header says {entry.dtype}{list(entry.shape)}, manifest says "
+            f"{record.dtype}{list(record.shape)}"
+        )
+    if type(entry.begin) is not int or type(entry.end) is not int:
+        raise CheckpointError(
+            f"{where}: data_offsets {[entry.begin, entry.end]!r:.80} are not byte offsets"
+        )
+    return entry
 
 
 class Checkpoint:
@@ -84,8 +124,7 @@ class Checkpoint:
             raise
 
     def _open_file(self, name: str, size: int) -> None:
-        if "/" in name or name in ("", ".", "..") or not name.endswith(datafile.SUFFIX):
-            raise CheckpointError(f"{self.path}: manifest names an invalid data file {name!r}")
+        check_data_name(self.path, name)
         file_path = self.path / name
         try:
             fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -104,11 +143,7 @@ class Checkpoint:
         if mapping is None:
             raise CheckpointError(f"{file_path}: empty data file")
         self._maps[name] = mapping
-        try:
-            length = datafile.header_length(mapping[:8])
-            self._headers[name] = datafile.parse_header(mapping[:length], size)
-        except DataFileError as exc:
-            raise CheckpointError(f"{file_path}: {exc}") from exc
+        self._headers[name] = read_header(lambda n: mapping[:n], size, file_path)
 
     def close(self) -> None:
         for mapping in self._maps.values():
@@ -138,15 +173,7 @@ class Checkpoint:
         """The stored bytes of one tensor, checked against header and checksum."""
         record = self.record(key)
         where = f"tensor {key!r} in {self.path / record.file}"
-        header = self._headers.get(record.file)
-        entry = header.tensors.get(key) if header else None
-        if entry is None:
-            raise CheckpointError(f"{where}: missing from the file's safetensors header")
-        if entry.dtype != record.dtype or entry.shape != record.shape:
-            raise CheckpointError(
-                f"{where}: header says {entry.dtype}{list(entry.shape)}, manifest says "
-                f"{record.dtype}{list(record.shape)}"
-            )
+        entry = locate(record, self._headers.get(record.file), where)
         view = memoryview(self._maps[record.file])[entry.begin : entry.end]
         if verify:
             actual = checksum(view)

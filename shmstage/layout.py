@@ -108,6 +108,9 @@ class TensorSpec:
         nbytes = self.nbytes
         if nbytes > MAX_TENSOR_BYTES:
             raise LayoutError(f"tensor {self.key!r}: {nbytes} bytes is over the limit")
+        if not nbytes and math.prod(d for d in self.shape if d) >= _INT_LIMIT:
+            # empty, yet more elements than torch counts (numel overflows): a crafted shape
+            raise LayoutError(f"tensor {self.key!r}: shape {list(self.shape)} is too large")
 
 
 def _int_tuple(key: object, what: str, value: object) -> tuple[int, ...]:

@@ -15,12 +15,20 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from shmstage.document import Entries, entry, parse, render
-from shmstage.layout import Layout
+from shmstage.layout import Layout, LayoutError, TensorSpec
 
 MANIFEST_NAME: Final = "shmstage-manifest.json"
 FORMAT: Final = "shmstage-checkpoint"
 VERSION: Final = 1
 MAX_MANIFEST_BYTES: Final = 512 * 1024 * 1024
+#: Decoding JSON builds objects far larger than their text: a manifest of tiny objects
+#: (``{},`` repeated) takes 25-29x its size, so a 64 MiB one cost 1.9 GiB. A manifest whose
+#: ``decode_cost`` is over this many times its size is refused before it is decoded; the
+#: manifests shmstage writes estimate at 7-12x (short keys cost the most).
+MAX_EXPANSION: Final = 16
+#: Below this a manifest is decoded unchecked: it cannot cost more than ~30 MiB.
+_CHECKED_ABOVE: Final = 1024 * 1024
+_CRC_LIMIT: Final = 1 << 32
 
 
 class ManifestError(ValueError):
@@ -54,30 +62,80 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        document = parse(
-            data,
-            fmt=FORMAT,
-            version=VERSION,
-            where=MANIFEST_NAME,
-            kind="shmstage manifest",
-            error=ManifestError,
-        )
-        try:
-            files = {entry["name"]: int(entry["bytes"]) for entry in document["files"]}
-            tensors = {
-                key: TensorRecord(
-                    key=key,
-                    file=info["file"],
-                    dtype=info["dtype"],
-                    shape=tuple(info["shape"]),
-                    offsets=None if info["offsets"] is None else tuple(info["offsets"]),
-                    crc32c=int(info["crc32c"]),
+        """The manifest in ``data``, held to the format's rules: every reader (``load``,
+        ``shmstage verify`` and ``ls``) refuses exactly the same documents, each with a
+        ManifestError that names the tensor or field at fault."""
+        if len(data) > _CHECKED_ABOVE:
+            cost = decode_cost(data)
+            if cost > MAX_EXPANSION * len(data):
+                raise ManifestError(
+                    f"{len(data)} bytes of JSON that would take about "
+                    f"{cost >> 20} MiB to decode, over {MAX_EXPANSION}x their size: not a "
+                    "manifest shmstage wrote (restore the checkpoint from a copy or remove it)"
                 )
-                for key, info in document["tensors"].items()
-            }
+        try:
+            document = parse(
+                data,
+                fmt=FORMAT,
+                version=VERSION,
+                where=MANIFEST_NAME,
+                kind="shmstage manifest",
+                error=ManifestError,
+            )
+        except ManifestError:
+            raise
+        except ValueError as exc:  # an int past Python's digit limit, say
+            raise ManifestError(f"{MANIFEST_NAME} cannot be decoded: {exc}") from None
+        try:
+            files = {entry["name"]: _file_size(entry) for entry in document["files"]}
+            tensors = {key: _record(key, info) for key, info in document["tensors"].items()}
             return cls(files, tensors, document["tree"], document["metadata"], document["save"])
+        except ManifestError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"{MANIFEST_NAME} is missing or mangles a field: {exc!r}") from exc
+
+
+def _file_size(entry: dict[str, Any]) -> int:
+    name, size = entry["name"], entry["bytes"]
+    if type(name) is not str or type(size) is not int or size < 0:
+        raise ManifestError(f"data file entry {entry!r:.100} is not a name and size")
+    return size
+
+
+def _record(key: str, info: dict[str, Any]) -> TensorRecord:
+    """One tensor's entry, by the rules a daemon applies to a layout it is asked to stage
+    (dtype, shape and offsets: ``TensorSpec``), so nothing a reader accepts can fail later
+    in torch with a RuntimeError or TypeError."""
+    try:
+        spec = TensorSpec.from_wire([key, info["dtype"], info["shape"], info["offsets"]])
+    except LayoutError as exc:
+        raise ManifestError(str(exc)) from None
+    file, crc = info["file"], info["crc32c"]
+    if type(file) is not str:
+        raise ManifestError(f"tensor {key!r}: file {file!r:.80} is not a name")
+    if type(crc) is not int or not 0 <= crc < _CRC_LIMIT:
+        raise ManifestError(f"tensor {key!r}: crc32c {crc!r:.40} is not a CRC-32C")
+    return TensorRecord(key, file, spec.dtype, spec.shape, spec.offsets, crc)
+
+
+def decode_cost(data: bytes) -> int:
+    """An upper bound, in bytes, on what decoding the JSON ``data`` takes, from counting its
+    structural characters (a pass at memory speed): json.loads first decodes the whole
+    text (up to 4 bytes a character), then builds each map, list, entry, string and number.
+
+    The weights are CPython 3.11's measured cost of the worst patterns (tiny maps and lists,
+    one-entry maps, huge maps of distinct keys, short strings, floats, ints, astral text),
+    rounded up: a character inside a string counts too, which only overestimates.
+    """
+    text = len(data) * (2 if data.isascii() else 8)
+    containers = data.count(b"{") + data.count(b"[")
+    return (
+        text
+        + 72 * (containers + data.count(b":"))
+        + 36 * data.count(b",")
+        + 14 * data.count(b'"')
+    )
 
 
 class TensorEntries:

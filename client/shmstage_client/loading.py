@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shmstage import datafile, tree
-from shmstage.checkpoint import CheckpointError
-from shmstage.datafile import DataFileError
+from shmstage import tree
+from shmstage.checkpoint import CheckpointError, check_data_name, locate, read_header
 from shmstage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
 from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.reading import FileSource, Placement, transfer
@@ -101,8 +100,7 @@ class CheckpointFiles:
 
     def open_data(self, name: str) -> tuple[int, int]:
         """A read descriptor on one of the manifest's data files and its size (checked)."""
-        if "/" in name or name in ("", ".", "..") or not name.endswith(datafile.SUFFIX):
-            raise CheckpointError(f"{self.path}: manifest names an invalid data file {name!r}")
+        check_data_name(self.path, name)
         where = self.path / name
         try:
             fd = os.open(name, _OPEN | os.O_NONBLOCK, dir_fd=self.dir_fd)
@@ -137,22 +135,10 @@ class CheckpointFiles:
 
     def _placements(self, fd: int, size: int, name: str) -> tuple[FileSource, list[Placement]]:
         where = self.path / name
-        try:
-            length = datafile.header_length(_read_exactly(fd, min(8, size), 0, where))
-            header = datafile.parse_header(_read_exactly(fd, min(length, size), 0, where), size)
-        except DataFileError as exc:
-            raise CheckpointError(f"{where}: {exc}") from exc
+        header = read_header(lambda n: _read_exactly(fd, n, 0, where), size, where)
         placements = []
         for record in self.records(name):
-            entry = header.tensors.get(record.key)
-            place = f"tensor {record.key!r} in {where}"
-            if entry is None:
-                raise CheckpointError(f"{place}: missing from the file's safetensors header")
-            if entry.dtype != record.dtype or entry.shape != record.shape:
-                raise CheckpointError(
-                    f"{place}: header says {entry.dtype}{list(entry.shape)}, manifest says "
-                    f"{record.dtype}{list(record.shape)}"
-                )
+            entry = locate(record, header, f"tensor {record.key!r} in {where}")
             placements.append(
                 Placement(
                     record.key,
