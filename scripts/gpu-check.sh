@@ -9,8 +9,6 @@
 #   restore       8 GiB / 500 tensors: load cold/warm/memory, restart after SIGKILL (issue 15)
 #   dcp-2gpu      DCP through shmstage on 2 GPUs
 #   write         the writer alone against the disk's direct-I/O and buffered limits (issue 13)
-#   register      a first save's setup, step by step (issue 13: <= 0.15 s/GiB)
-#   restart-read  restores from memory in new processes, first and second, part by part (15)
 # Each bench step writes OUTDIR/STEP.json and OUTDIR/STEP.png and appends its text to
 # OUTDIR/log.txt (with machine.txt: at most 8 files for 3 bench steps per call). Each is
 # bounded by --budget 540 (the bench still writes its report when the budget is spent)
@@ -64,16 +62,6 @@ for what in "$@"; do
            python3 scripts/write_bench.py --dir "$wdir" --size 8GiB --tensors 500 --runs 3 \
              --buffered --skip-limits 2>&1 | tee -a "$out/write.txt"
            rm -rf "$wdir" ;;
-    register) for case in "8GiB 500" "1GiB 10000"; do  # a first save's setup, step by step
-             read -r size tensors <<< "$case"
-             for threads in 1 8; do
-               python3 scripts/registration_bench.py --size "$size" --tensors "$tensors" \
-                 --slots 2 --threads "$threads" 2>&1 | tee -a "$out/register.txt"
-             done
-           done ;;
-    restart-read) python3 scripts/restart_read_bench.py --size 8GiB --tensors 500 \
-             --variants default,torch-pinned,default+parts,no-verify --rounds 3 2>&1 \
-             | tee "$out/restart-read.txt" ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
 done

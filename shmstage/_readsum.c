@@ -24,7 +24,7 @@
 
 /* Bytes per lane of the interleaved CRC, and per block read before it is checksummed:
    1 MiB stays in a core's L2 cache and costs one system call per MiB (256 KiB and 4 MiB
-   were slower on an H200 VM, docs/perf/readsum.txt). */
+   were slower on an H200 VM; readsum.txt in the history of docs/perf/). */
 #define LANE 4096
 #define BLOCK ((size_t)1 << 20)
 

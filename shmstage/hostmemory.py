@@ -8,7 +8,8 @@ so the 18 buffers of a restore were all there only after 0.28-0.39 s while the r
 itself takes about as long. In transparent huge pages the kernel faults in and zeroes a
 buffer 2 MiB at a time: 18 buffers of 32 MiB, registered, took 89-94 ms instead of
 151-186 ms on an H200 host, and a restarted trainer's restore of 8 GiB 0.32-0.35 s
-instead of 0.38-0.39 s (alternating on one VM; ``docs/perf/restart-tried.txt``).
+instead of 0.38-0.39 s (alternating on one VM; ``restart-tried.txt``, now in the history
+of ``docs/perf/``).
 
 Huge pages are taken only when the kernel's page allocator has them free (``/proc/
 buddyinfo``) with ``HUGE_RESERVE`` to spare: with the usual ``defrag=madvise`` a huge-page

@@ -7,7 +7,7 @@ last-level cache or from memory: of the 4.1 thread-seconds 16 readers spent rest
 8 GiB on an H200 VM, 1.0-1.3 were that pass. ``read`` and ``copy`` here read a block of
 1 MiB and checksum it straight after, from the core's own cache, in C (``_readsum.c``,
 called through ctypes, which releases the GIL): 16 readers moved 8 GiB to an H200 in
-0.245 s instead of 0.269 s, where reading alone took 0.229 s (docs/perf/readsum.txt).
+0.245 s instead of 0.269 s, where reading alone took 0.229 s (docs/performance.md, "Restores").
 
 The helper is built with the package where a C compiler is present (optional: the install
 succeeds without one) and runs on x86-64 processors with SSE4.2. Elsewhere ``available()``

@@ -22,7 +22,7 @@ from .synthetic import SyntheticSpec, format_bytes
 
 #: Limits measured both before and after the methods that follow them, their samples
 #: joined: a VM's disk drifted between 3.5 and 5.1 s for the same 8 GiB within minutes
-#: (``docs/perf/writer-tried-3.txt``), so a limit taken only before the shmstage rows
+#: (``docs/performance.md``), so a limit taken only before the shmstage rows
 #: made their ratio to it a matter of when each ran.
 BRACKETED = ("disk-limit-direct",)
 

@@ -135,7 +135,7 @@ def _files(path: Path) -> list[Path]:
 #: scale with the queue depth: on an H200 VM 8 GiB came off it at 1.5-1.8 GB/s with 4
 #: O_DIRECT threads of 8 MiB, 2.0 with 16 of 32 MiB or 64 of 16 MiB, and 2.2 read cold
 #: through the page cache on 64 threads (its read-ahead queues more), while ``load()``
-#: read at 2.0 (``docs/perf/read-limit-h200.txt``). The fastest way is the limit.
+#: read at 2.0 (``docs/performance.md``, "Restores"). The fastest way is the limit.
 READ_WAYS: Final = (
     (4, 8 << 20, True),
     (16, 32 << 20, True),

@@ -17,7 +17,7 @@ the device busy meanwhile). The pieces
 are few and reused at once, so they stay in the processor's cache and the host reads
 memory once per byte, mostly: a restarted trainer's restore of 8 GiB from the daemon's
 memory went from 2.49-2.67x the raw copy to 2.08-2.33x on an H200 VM and from 2.51x to
-2.34x on an H100 VM (alternating; docs/perf/pieces.txt), where 16 MiB chunks through 18
+2.34x on an H100 VM (alternating; docs/performance.md), where 16 MiB chunks through 18
 buffers had written and reread 288 MiB. The tensors come
 back as views of one destination buffer at their offsets (a tensor that is not aligned
 for its dtype there gets its own copy). A tensor's checksum is continued across a
@@ -78,7 +78,7 @@ CHUNK: Final = 16 << 20
 #: of a whole chunk, 512 copies for 8 GiB, beat two of 8 MiB each on an H200 VM (warm
 #: files 0.316-0.347 s against 0.436-0.468, from memory 0.291-0.311 against 0.366-0.454,
 #: a restart 0.346-0.385 against 0.384-0.393), and pieces of 4 MiB lost by 0.1 s
-#: (docs/perf/pieces.txt).
+#: (docs/performance.md, "Restores").
 PIECE: Final = 16 << 20
 PIECES: Final = 1
 #: Threads reading and checksumming (8 GiB: 0.46 s on 8 threads, 0.29 s on 16).
@@ -93,7 +93,7 @@ HUGE_STAGING = True
 #: With ``SHMSTAGE_DEVICE_CHECKSUMS=1``, verify a transfer to a CUDA device on the device
 #: (``device_checksums``) rather than on the host, where the device has the memory for it:
 #: ~1.3 fewer host core-seconds per 8 GiB, the same time within the VMs' noise (-8% to
-#: +15% on three VMs, docs/perf/device-checks.txt), so not the default.
+#: +15% on three VMs, docs/performance.md), so not the default.
 DEVICE_CHECKSUMS = os.environ.get("SHMSTAGE_DEVICE_CHECKSUMS", "0") == "1"
 #: Device memory left free beside the restored bytes and the check's working memory.
 DEVICE_HEADROOM: Final = 256 << 20
@@ -421,8 +421,8 @@ class _Staging:
     taken from the process's spare (made ahead by ``prepare``, or left by its last
     transfer) or made by the first reader. One mapping registered in one call: with
     sixteen readers registering a buffer each, a new process's restore was 40-50 ms
-    slower (docs/perf/pieces.txt), as the driver serialises registrations and holds up
-    the copies meanwhile."""
+    slower (pieces.txt, now in the history of docs/perf/), as the driver serialises
+    registrations and holds up the copies meanwhile."""
 
     def __init__(self, readers: int) -> None:
         self._size = readers * PIECES * PIECE

@@ -8,7 +8,7 @@ of the same bytes, measured in the same run, on a synthetic layout held in real 
 segments (each run opens or maps them afresh, as a restarted process does), with the
 thread count and verification varied around the defaults.
 
-    python3 scripts/memory_read_bench.py --size 8GiB --tensors 500
+    python3 scripts/experiments/memory_read_bench.py --size 8GiB --tensors 500
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Is a process's first ``preadv`` of shm pages slower than its next, and what removes that?
 
-A one-off behind ``docs/perf/first-read.txt``: 512 segments of 16 MiB (8 GiB) are written
-through a shared mapping by a process that exits; then new processes read them all twice
-with ``preadv`` on 16 threads. ``passes`` puts other passes in between (a mapping populated
-with ``MADV_POPULATE_READ``, or every page read into one 4 KiB buffer); ``drop`` drops the
-page cache in between instead (as root). Linux only; writes 8 GiB to /dev/shm and removes it.
+A one-off behind ``first-read.txt`` (now in the history of ``docs/perf/``): 512 segments
+of 16 MiB (8 GiB) are written through a shared mapping by a process that exits; then new
+processes read them all twice with ``preadv`` on 16 threads. ``passes`` puts other passes
+in between (a mapping populated with ``MADV_POPULATE_READ``, or every page read into one
+4 KiB buffer); ``drop`` drops the page cache in between instead (as root). Linux only;
+writes 8 GiB to /dev/shm and removes it.
 
-    python3 scripts/first_read_bench.py passes
+    python3 scripts/experiments/first_read_bench.py passes
 """
 
 from __future__ import annotations
