@@ -99,8 +99,10 @@ def _gc(args: argparse.Namespace) -> int:
     """Reap what dead daemons left; root may reap any user's, others only their own.
 
     With ``--checkpoints DIR``, also remove orphaned temporary files of saves that will
-    never finish (``shmstage.orphans``) — never while a dead daemon's journal still owes a
-    checkpoint, whose temporary files look orphaned until the next daemon reopens them.
+    never finish (``shmstage.orphans``) — none while a dead daemon's journal still owes a
+    checkpoint, whose temporary files look orphaned until the next daemon reopens them; and
+    the sweep itself asks the journals again before each removal, so a daemon that dies
+    while it runs loses nothing either.
     """
     euid = os.geteuid()
     only_uid = None if euid == 0 else euid
@@ -157,6 +159,7 @@ def _print_swept(swept: orphans.Swept | None, verb: str) -> None:
     print(
         f"temporary files: {verb} {len(swept.removed)} orphaned ({format_size(swept.bytes)}); "
         f"left {swept.live} in use, {swept.young} younger than --min-age"
+        + (f", {swept.owed} a daemon's journal still owes" if swept.owed else "")
         + (f", {swept.other_uid} of other users" if swept.other_uid else "")
     )
     for path in swept.removed:

@@ -154,6 +154,11 @@ def predecessors(socket: str, uid: int) -> list[tuple[str, str]]:
     return found
 
 
+def locks() -> dict[str, LockInfo | None]:
+    """Every instance's lock as it reads now (None: gone, or not a lock at all)."""
+    return {instance: read_lock(path) for instance, path in _locks()}
+
+
 def live_instances() -> set[str]:
     """Instances whose lock is held right now."""
     live = set()

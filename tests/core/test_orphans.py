@@ -100,3 +100,29 @@ def test_an_orphaned_pending_directory_goes_with_its_files_a_held_one_stays(
         assert alive.exists() and report.live == 1
     finally:
         os.close(fd)
+
+
+def test_a_file_stays_while_a_dead_daemons_journal_cannot_be_read_but_not_a_live_ones(
+    tmp_path: Path,
+) -> None:
+    """A journal ``gc`` may not read (here its path is a symlink, which is never followed;
+    for a non-root ``gc``, a root daemon's private directory) might name any file: the file
+    stays unless that journal's daemon is alive now — a live daemon holds the files it owes,
+    and ``gc`` holds this one's lock."""
+    from shmstage import instance
+
+    lock = instance.InstanceLock.claim(journal_root=str(tmp_path / "journals"))
+    (tmp_path / "journals").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    Path(instance.journal_dir(str(tmp_path / "journals"), lock.instance)).symlink_to(
+        tmp_path / "elsewhere"
+    )
+    try:
+        first = temp_file(tmp_path / "run" / "a")
+        assert orphans.sweep([tmp_path / "run"], only_uid=None).removed == [str(first)]
+        os.close(lock.fd)  # the daemon dies (its lock file stays, unheld)
+        second = temp_file(tmp_path / "run" / "b")
+        report = orphans.sweep([tmp_path / "run"], only_uid=None)
+        assert report.removed == [] and report.owed == 1 and second.exists()
+    finally:
+        os.unlink(instance.lock_path(lock.instance))

@@ -318,3 +318,22 @@ def test_entries_written_before_new_directories_were_renamed_still_load(
         del older[key]
     older["v"] = 1
     assert journal.Entry.from_bytes(msgpack.packb(older, use_bin_type=True)) == entry
+
+
+def test_gc_finds_the_files_an_entry_names(tmp_path: Path, instance_id) -> None:
+    """``shmstage gc`` reads entries without the daemon package (``orphans``): it must find
+    the data file, the manifest and a new directory's pending directory of a real entry."""
+    from shmstage import orphans
+
+    persist = staged_job(tmp_path / "c", instance_id, new=True)
+    entry = entry_of(persist, instance_id)
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / entry.name).write_bytes(entry.to_bytes())
+    dir_fd = os.open(tmp_path / "j", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        found = orphans._entry_files(dir_fd, entry.name)
+    finally:
+        os.close(dir_fd)
+    assert found == {entry.data_id, entry.manifest_id, entry.pending_id}
+    assert entry.pending_id != (0, 0)
+    persist.destination.close()
