@@ -29,7 +29,7 @@ PARTIAL = "partial"  # no manifest: a save in progress, or one that never commit
 DAMAGED = "damaged"  # a manifest, but it or the files it names are not what it says
 FOREIGN = "foreign"  # not written for the uid that asked (``scan(uid=...)``): not read
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)

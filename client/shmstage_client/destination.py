@@ -305,8 +305,9 @@ class Target:
 
 
 #: Spares made (or being made) and neither taken nor removed, of every Spares in this
-#: process: what ``_remove_spares_at_exit`` removes when a trainer exits without close().
-_UNTAKEN: set[concurrent.futures.Future[Target]] = set()
+#: process, with the pid that made them: what ``_remove_spares_at_exit`` removes when a
+#: trainer exits without close() (a forked child that exits leaves its parent's alone).
+_UNTAKEN: dict[concurrent.futures.Future[Target], int] = {}
 _UNTAKEN_LOCK = threading.Lock()
 
 
@@ -318,7 +319,7 @@ def _remove_spares_at_exit() -> None:
     before ``atexit`` runs), so every spare asked for is made by now; one that is not
     (its thread hung) is left to ``shmstage gc`` and its lock."""
     with _UNTAKEN_LOCK:
-        untaken = list(_UNTAKEN)
+        untaken = [future for future, pid in _UNTAKEN.items() if pid == os.getpid()]
         _UNTAKEN.clear()
     for future in untaken:
         if future.done():
@@ -328,9 +329,9 @@ def _remove_spares_at_exit() -> None:
 def _untaken(future: concurrent.futures.Future[Target], *, add: bool) -> None:
     with _UNTAKEN_LOCK:
         if add:
-            _UNTAKEN.add(future)
+            _UNTAKEN[future] = os.getpid()
         else:
-            _UNTAKEN.discard(future)
+            _UNTAKEN.pop(future, None)
 
 
 class Spares:

@@ -91,8 +91,7 @@ class Restored:
     #: the save (its directory moved, replaced or deleted, its manifest changed), if anything.
     reason: str = ""
     #: Seconds of each part of a restore from memory: ``lease`` (asking the daemon and
-    #: receiving its descriptors; for ``latest``, also reading the manifest it names) and
-    #: ``transfer`` (to the device, verified).
+    #: receiving its descriptors) and ``transfer`` (to the device, verified).
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -450,10 +449,12 @@ def _absolute(path: str | os.PathLike[str]) -> Path:
 
 
 def _named(info: dict[str, Any]) -> tuple[Path | None, str]:
-    """The files a lease's answer names (directory, manifest digest), once durable."""
-    if not (info.get("durable") and isinstance(info.get("directory"), str)):
+    """The files a lease's answer names (directory, manifest digest), once durable: only
+    a manifest of that digest will be read there."""
+    directory, digest_ = info.get("directory"), info.get("digest")
+    if not (info.get("durable") and isinstance(directory, str) and isinstance(digest_, str)):
         return None, ""
-    return Path(info["directory"]), str(info.get("digest") or "")
+    return (Path(directory), digest_) if digest_ else (None, "")
 
 
 def _recorded_specs(info: dict[str, Any]) -> list[Spec]:
