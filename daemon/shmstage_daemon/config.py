@@ -405,10 +405,12 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "fsync": ("storage", "fsync", _choice(*FSYNC_POLICIES)),
     "retain_ttl": ("retention", "ttl", _seconds),
     "retain_budget": ("retention", "budget", _budget),
+    "retain_user_budget": ("retention", "user_budget", _budget),
     "retain_min_free": ("retention", "min_free", _budget),
     "lease_seconds": ("retention", "lease_seconds", _positive_seconds),
     "max_lease_seconds": ("retention", "max_lease_seconds", _positive_seconds),
     "max_leases": ("retention", "max_leases", _int_at_least(1)),
+    "revoke_grace": ("retention", "revoke_grace", _seconds),
     "log_level": ("log", "level", _choice(*LOG_LEVELS)),
     "log_format": ("log", "format", _choice(*LOG_FORMATS)),
 }
@@ -471,10 +473,16 @@ class Config:
     # memory yields to any registration and to memory pressure, so the budget may be large.
     retain_ttl: float = 1800.0
     retain_budget: int | str = "50%"
+    # One user's share of the retention budget: with all of it, a user alone on the node
+    # keeps what the budget allows; with several, the largest holder gives back first.
+    retain_user_budget: int | str = "100%"
     retain_min_free: int | str = "10%"
     lease_seconds: float = 60.0
     max_lease_seconds: float = 600.0
     max_leases: int = 64
+    # Long enough for a reader mid-copy of a large checkpoint to finish; a registration
+    # that needs leased memory waits this long at most.
+    revoke_grace: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
     source: Path | None = None
@@ -484,6 +492,8 @@ class Config:
     #: the /dev/shm space retention keeps free (a percentage is of /dev/shm's size).
     retain_budget_bytes: int = field(init=False, default=0)
     retain_min_free_bytes: int = field(init=False, default=0)
+    #: One user's share in bytes (a percentage is of the retention budget).
+    retain_user_budget_bytes: int = field(init=False, default=0)
     warnings: tuple[str, ...] = field(init=False, default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -506,6 +516,8 @@ class Config:
         object.__setattr__(self, "shm_budget_bytes", budget)
         retained = _share(self.retain_budget, budget)
         object.__setattr__(self, "retain_budget_bytes", min(retained, budget))
+        share = _share(self.retain_user_budget, self.retain_budget_bytes)
+        object.__setattr__(self, "retain_user_budget_bytes", min(share, self.retain_budget_bytes))
         object.__setattr__(
             self, "retain_min_free_bytes", _share(self.retain_min_free, capacity.shm_total)
         )
@@ -563,7 +575,13 @@ class Config:
 
     def diff(self, other: Config) -> dict[str, tuple[Any, Any]]:
         """`old.diff(new)` -> {setting: (old value, new value)}, to log what a reload changed."""
-        names = [*_SCHEMA, "shm_budget_bytes", "retain_budget_bytes", "retain_min_free_bytes"]
+        names = [
+            *_SCHEMA,
+            "shm_budget_bytes",
+            "retain_budget_bytes",
+            "retain_user_budget_bytes",
+            "retain_min_free_bytes",
+        ]
         return {
             n: (getattr(self, n), getattr(other, n))
             for n in names

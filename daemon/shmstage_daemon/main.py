@@ -321,10 +321,12 @@ def settings_of(config: Config) -> Settings:
         retention=RetentionPolicy(
             ttl=config.retain_ttl,
             budget_bytes=config.retain_budget_bytes,
+            user_budget_bytes=config.retain_user_budget_bytes,
             min_free_bytes=config.retain_min_free_bytes,
             lease_seconds=config.lease_seconds,
             max_lease_seconds=config.max_lease_seconds,
             max_leases=config.max_leases,
+            revoke_grace=config.revoke_grace,
             restore_groups=config.restore_groups,
         ),
     )
@@ -353,9 +355,11 @@ def describe(config: Config) -> str:
         f"max_buffered_bytes {format_size(int(config.max_buffered_bytes))}",
         f"  default_slots    {config.default_slots}",
         f"  retention        ttl {config.retain_ttl:g} s, budget {config.retain_budget} = "
-        f"{format_size(config.retain_budget_bytes)}, min_free {config.retain_min_free} = "
+        f"{format_size(config.retain_budget_bytes)} (per user {config.retain_user_budget} = "
+        f"{format_size(config.retain_user_budget_bytes)}), min_free {config.retain_min_free} = "
         f"{format_size(config.retain_min_free_bytes)}; leases {config.lease_seconds:g} s "
-        f"(at most {config.max_lease_seconds:g} s, {config.max_leases} per uid); "
+        f"(at most {config.max_lease_seconds:g} s, {config.max_leases} per uid, revoked "
+        f"{config.revoke_grace:g} s after their memory is due); "
         f"restore_groups {sorted(config.restore_groups)}",
         f"  storage          writer_threads {config.writer_threads}, io_threads "
         f"{config.io_threads}, fsync {config.fsync}",

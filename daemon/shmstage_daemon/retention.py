@@ -8,37 +8,75 @@ byte ``budget``; a restarted trainer of the same uid then reads the checkpoint b
 memory speed (a *lease*), and registering the same structure again *adopts* the segments
 (no segment is created for its first save).
 
-Retention never costs a live trainer anything: retained memory is given back oldest first
-— first the slots not holding the newest checkpoint, then whole layouts — whenever the
-budget is exceeded, /dev/shm or the node's memory runs short of ``min_free``, a
-registration needs the room, or the ``ttl`` runs out. A retained layout dies with its
-daemon: the next start reaps its segments like any orphan's (unless the journal still owes
-the job writing it, which is finished first).
+Retained memory is its user's, and never in a live trainer's way. Giving memory back
+takes, within one uid, the slots not holding a layout's newest checkpoint first (oldest
+first), then whole layouts (oldest checkpoint first); across uids:
 
-A lease makes a slot unacquirable, so nothing refills what a reader is copying. Leases are
-bounded in time (renewals never past ``max_lease_seconds`` from the grant), die with the
-reader's connection, are counted per uid, and a reader other than the owner may never hold
-the last slot of a layout that has several: the owner's next save always has another slot,
-or waits at most until a lease ends (and is told so).
+- *Charged to its user.* A uid's retained layouts count toward its ``[limits] max_bytes``
+  together with its live ones, and may hold at most ``[retention] user_budget`` (its share
+  of the budget). A retention or registration over either gives back that uid's own
+  retained memory, never another uid's.
+- *The node's budget.* While all retained memory exceeds ``[retention] budget``, or
+  /dev/shm or the node's memory is short of ``min_free``, memory is given back from the
+  uid retaining the most, then again from whichever uid retains the most: a uid never
+  loses retained memory to another uid's retention while it retains less than that uid.
+- *Live trainers first.* A registration (or the slots a layout adds, or those an adoption
+  lacks) that needs room for the budget, /dev/shm or its own ``max_bytes`` takes it from
+  retained memory: its own uid's first, then the others', the largest holder first.
+- *Leases hold nothing that is due.* When the ``ttl``, the budget, memory pressure or a
+  registration needs a leased layout, each lease on it ends ``revoke_grace`` seconds later
+  at the latest (its reader's ``unlease`` answers ``held: false`` and it reads the files)
+  and the layout goes then; a registration waits that long at most. And a uid's leases on
+  one retained checkpoint hold it for ``max_lease_seconds`` in all, however they are
+  chained (a lease on a live trainer's checkpoint, its owner's, lives at most that long).
 
-Only the event loop calls into this module; every decision is O(the retained layouts or
-the caller's own checkpoints).
+A retained layout dies with its daemon: the next start reaps its segments like any
+orphan's (unless the journal still owes the job writing it, which is finished first).
+
+A leased slot is written by nobody:
+
+- The daemon never fills it (it is unacquirable), never hands out writable descriptors to
+  it (a registration never adopts a layout with a leased slot: it gets fresh segments),
+  and never gives it back before its leases end or are revoked.
+- Another uid (a member of a ``restore_groups`` group) leases a checkpoint only once its
+  layout is retained (no session of its trainer is left) and the kernel counts no writer
+  of any of the slot's segments: a read lease (``F_SETLEASE``) is refused while any
+  process holds one open for writing, a writable mapping included, even one whose
+  descriptor was closed or passed on. Segments are the daemon's own (0600): from then
+  until the lease ends nobody can gain write access.
+- The owner may lease its own checkpoints whenever it likes, its live trainer's too.
+
+So ``verified`` (each tensor's CRC-32C, as the daemon computed it writing the files) means
+the bytes were not torn or corrupted; it is no defence against a deliberate change by the
+checkpoint's owner, who could write its memory before the lease (keeping the CRC: CRC is
+affine) as it can rewrite its files. A reader of another user's checkpoint trusts that user.
+
+Leases die with the reader's connection, are counted per uid, and a reader other than the
+owner may never hold the last slot of a layout that has several: the owner's next save
+always has another slot, or waits at most until a lease ends (and is told so).
+
+Only the event loop calls into this module (``writers`` runs in an I/O thread); every
+decision is O(the retained layouts or the caller's own checkpoints).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shmstage import segment
 from shmstage.protocol import ErrorCode
+from shmstage.segment import SegmentRef
 from shmstage_daemon import job
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.config import measure_shm
@@ -58,6 +96,8 @@ class RetentionPolicy:
     ttl: float = 1800.0
     #: Bytes all retained layouts may hold together; 0 keeps nothing.
     budget_bytes: int = 0
+    #: Bytes one uid's retained layouts may hold (its share of the budget).
+    user_budget_bytes: int = 1 << 62
     #: Retained memory is given back while less than this is free in /dev/shm (or
     #: available to the daemon's memory cgroup).
     min_free_bytes: int = 0
@@ -66,6 +106,9 @@ class RetentionPolicy:
     max_lease_seconds: float = 600.0
     #: Leases one uid may hold at once.
     max_leases: int = 64
+    #: Seconds a lease lives on once the memory it holds is due (ttl, budget, pressure, a
+    #: registration): time for a reader mid-copy to finish.
+    revoke_grace: float = 10.0
     #: Groups whose members may lease other users' checkpoints (the owner always may).
     restore_groups: frozenset[int] = frozenset()
 
@@ -77,10 +120,12 @@ class RetentionPolicy:
         return {
             "ttl_seconds": self.ttl,
             "budget_bytes": self.budget_bytes,
+            "user_budget_bytes": self.user_budget_bytes,
             "min_free_bytes": self.min_free_bytes,
             "lease_seconds": self.lease_seconds,
             "max_lease_seconds": self.max_lease_seconds,
             "max_leases": self.max_leases,
+            "revoke_grace_seconds": self.revoke_grace,
             "restore_groups": sorted(self.restore_groups),
         }
 
@@ -97,9 +142,38 @@ class Lease:
     expires: float
     deadline: float
     timer: asyncio.TimerHandle | None = None
+    #: The checkpoint it reads (its leases' time is counted per uid and job).
+    job: int = -1
+    #: Why its memory is due (it ends within ``revoke_grace``), once it is.
+    revoked: str | None = None
 
 
 _Entry = tuple[StagedLayout, Slot, Held]
+#: One step of giving memory back: a spare slot of a layout, or (None) the whole layout.
+_Step = tuple[StagedLayout, Slot | None]
+
+
+def writers(refs: Sequence[SegmentRef]) -> str | None:
+    """The first segment some process holds open for writing, if any (an I/O thread).
+
+    The kernel refuses a read lease (``F_SETLEASE``) on a file anyone has open for
+    writing — a writable mapping keeps its file open, whatever became of the descriptor —
+    so taking one and dropping it at once asks the kernel's count of writers. The daemon
+    owns its segments, which a lease needs. When the kernel cannot answer (leases
+    disabled), the segment counts as written: a reader is then sent to the files.
+    """
+    for ref in refs:
+        fd = segment.open_fd(ref, writable=False)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EBUSY):
+                log.warning("cannot ask the kernel who writes %s: %s", ref.name, exc)
+            return ref.name
+        finally:
+            os.close(fd)
+    return None
 
 
 def held_of(persist: job.PersistJob, peer: Peer) -> Held:
@@ -165,6 +239,10 @@ class Retention:
         self._files_kept = 0
         self._by_uid: dict[int, list[_Entry]] = {}
         self._structures: dict[int, str] = {}
+        #: Seconds each uid's ended leases held each checkpoint, by (uid, job).
+        self._lease_time: dict[tuple[int, int], float] = {}
+        #: Resolved when a lease ends: a registration waiting for revoked leases re-plans.
+        self._lease_ended: asyncio.Future[None] | None = None
 
     # -- what slots hold ---------------------------------------------------------
 
@@ -261,6 +339,14 @@ class Retention:
                 f"uid {peer.uid} already holds {mine} leases (limit "
                 f"{self.policy.max_leases}, [retention] max_leases); end one first",
             )
+        if peer.uid != held.uid and staged.retained is None:
+            self.telemetry.leased("refused")
+            raise StoreError(
+                ErrorCode.NOT_RETAINED,
+                f"uid {held.uid}'s trainer still holds this checkpoint's memory and may "
+                f"write it: uid {peer.uid} may lease it only once that trainer is gone; "
+                "read it from its files",
+            )
         others = [other for other in staged.slots if other is not slot]
         if peer.uid != held.uid and others and not slot.leased and all(
             other.leased for other in others
@@ -272,8 +358,19 @@ class Retention:
                 f"the last one of uid {held.uid}'s layout (its next save needs a slot); "
                 "retry once a lease ended",
             )
-        granted = self._seconds(seconds, "lease")
         now = time.monotonic()
+        left = self.policy.max_lease_seconds
+        if staged.retained is not None:  # chained leases never keep it past that in all
+            left -= self._leased_for(peer.uid, held.job, now)
+        if left <= 0:
+            self.telemetry.leased("refused")
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {peer.uid}'s leases have held job {held.job}'s memory for "
+                f"{self.policy.max_lease_seconds:g} s, the most they may in all "
+                "([retention] max_lease_seconds); read it from its files",
+            )
+        granted = min(self._seconds(seconds, "lease"), left)
         lease = Lease(
             next(self._lease_ids),
             session,
@@ -282,13 +379,23 @@ class Retention:
             slot,
             now,
             now + granted,
-            now + self.policy.max_lease_seconds,
+            now + left,
+            job=held.job,
         )
         self.leases[lease.id] = lease
         slot.leases.add(lease.id)
         self._schedule(lease)
         self.telemetry.leased("granted")
         return lease
+
+    def _leased_for(self, uid: int, job_id: int, now: float) -> float:
+        """Seconds ``uid``'s leases have held this checkpoint: ended ones and live ones."""
+        held = self._lease_time.get((uid, job_id), 0.0)
+        return held + sum(
+            now - lease.granted
+            for lease in self.leases.values()
+            if lease.uid == uid and lease.job == job_id
+        )
 
     def _seconds(self, seconds: float | None, what: str) -> float:
         if seconds is None:
@@ -311,11 +418,12 @@ class Retention:
         if lease is None:
             return
         log.warning(
-            "lease %d of uid %d on a checkpoint of uid %d expired after %.1f s; its slot may "
+            "lease %d of uid %d on a checkpoint of uid %d %s after %.1f s; its slot may "
             "be refilled",
             lease.id,
             lease.uid,
             lease.staged.uid,
+            "expired" if lease.revoked is None else f"revoked ({lease.revoked})",
             time.monotonic() - lease.granted,
         )
         self.telemetry.leased("expired")
@@ -348,14 +456,43 @@ class Retention:
         del self.leases[lease.id]
         if lease.timer is not None:
             lease.timer.cancel()
+        key = (lease.uid, lease.job)
+        self._lease_time[key] = self._lease_time.get(key, 0.0) + time.monotonic() - lease.granted
         lease.slot.leases.discard(lease.id)
         if not lease.slot.leased:
             self._on_free(lease.staged, lease.slot)
+        if self._lease_ended is not None and not self._lease_ended.done():
+            self._lease_ended.set_result(None)
+        self._lease_ended = None
+
+    def _revoke(self, staged: StagedLayout, reason: str) -> None:
+        """Its memory is due: every lease on the layout ends within ``revoke_grace``."""
+        cutoff = time.monotonic() + self.policy.revoke_grace
+        for slot in staged.slots:
+            for lease_id in slot.leases:
+                lease = self.leases[lease_id]
+                if lease.revoked is None:
+                    lease.revoked = reason
+                    self.telemetry.leased("revoked")
+                    log.warning(
+                        "lease %d of uid %d on layout %d of uid %d revoked (%s): it ends "
+                        "within %g s",
+                        lease.id,
+                        lease.uid,
+                        staged.id,
+                        staged.uid,
+                        reason,
+                        self.policy.revoke_grace,
+                    )
+                if lease.expires > cutoff:
+                    lease.expires = lease.deadline = cutoff
+                    self._schedule(lease)
 
     # -- keeping and giving back -------------------------------------------------
 
     def keep(self, staged: StagedLayout) -> bool:
-        """Whether a layout whose client went away (without releasing it) is retained."""
+        """Whether a layout whose client went away (without releasing it) is retained;
+        then its uid's share and the node's budget are enforced (see the module's rules)."""
         if not self.policy.enabled or staged.newest() is None:
             return False
         self.store.retain(staged, time.monotonic())
@@ -372,12 +509,20 @@ class Retention:
             self.policy.ttl,
         )
         self.give_back(self.store.retained_bytes - self.policy.budget_bytes, "budget")
+        share = self.store.retained_of(staged.uid) - self.policy.user_budget_bytes
+        self.give_back(share, "share", first=staged.uid, others=False)
         return True
 
     def adoptable(self, uid: int, layout: Any, slots: int) -> StagedLayout | None:
         """A retained layout of this uid and structure for a new registration of ``slots``
-        slots, trimmed to at most that many (keeping the newest checkpoint)."""
-        mine = [s for s in self.store.retained.values() if s.uid == uid and s.layout == layout]
+        slots, trimmed to at most that many (keeping the newest checkpoint). One with a
+        leased slot is never adopted: its new owner would get writable descriptors to
+        what a reader is copying (the registration makes fresh segments instead)."""
+        mine = [
+            s
+            for s in self.store.retained.values()
+            if s.uid == uid and s.layout == layout and not s.leased()
+        ]
         if not mine:
             return None
         staged = max(mine, key=_age)
@@ -389,49 +534,130 @@ class Retention:
         return staged
 
     def sweep(self) -> None:
-        """Give back what outlived the TTL, exceeds the budget, or memory needs."""
+        """Give back what outlived the TTL, exceeds the budget, or memory needs; forget
+        the lease time of checkpoints no slot holds any more."""
         now = time.monotonic()
         for staged in list(self.store.retained.values()):
             expired = staged.retained is not None and now - staged.retained >= self.policy.ttl
             if expired and _evictable(staged):
                 self._evict(staged, "ttl")
+            elif expired and staged.leased():
+                self._revoke(staged, "ttl")
         self.give_back(self.store.retained_bytes - self.policy.budget_bytes, "budget")
         if self.store.retained:
             capacity = measure_shm()
             self.give_back(self.policy.min_free_bytes - capacity.usable, "pressure")
+        if self._lease_time:
+            held = {entry[2].job for entry in self._by_file.values() if self._current(entry)}
+            self._lease_time = {
+                key: seconds for key, seconds in self._lease_time.items() if key[1] in held
+            }
 
-    async def make_room(self, nbytes: int) -> None:
-        """Before a registration of ``nbytes``: give back retained memory it needs."""
-        if not self.store.retained:
-            return
-        over_budget = self.store.reserved_bytes + nbytes - self.store.limits.shm_budget_bytes
-        short = nbytes - measure_shm().usable
-        unlinks = self.give_back(max(over_budget, short), "registration")
-        if unlinks:
-            await asyncio.gather(*unlinks, return_exceptions=True)
+    async def make_room(
+        self, nbytes: int, uid: int, adopting: StagedLayout | None = None
+    ) -> None:
+        """Before a registration of ``nbytes`` by ``uid``: give back the retained memory it
+        needs — for ``uid``'s own ``max_bytes`` its own, for the budget and /dev/shm its own
+        first, then the largest holders' — waiting at most ``revoke_grace`` for leases on
+        it to end. ``adopting``: the layout being adopted, never given back for it."""
+        deadline = time.monotonic() + self.policy.revoke_grace + SWEEP_INTERVAL_S
+        while self.store.retained:
+            usage = self.store.usage.get(uid)
+            mine = 0 if usage is None else usage.bytes + usage.retained_bytes
+            own = mine + nbytes - self.store.limits.max_user_bytes
+            unlinks, pending = self._give_back(own, "registration", uid, False, adopting)
+            over = self.store.reserved_bytes + nbytes - self.store.limits.shm_budget_bytes
+            short = nbytes - measure_shm().usable - sum(n for _, n in unlinks)
+            more, waiting = self._give_back(max(over, short), "registration", uid, True, adopting)
+            unlinks += more
+            if unlinks:
+                await asyncio.gather(*(u for u, _ in unlinks), return_exceptions=True)
+            if not (pending or waiting) or time.monotonic() >= deadline:
+                return
+            if self._lease_ended is None:
+                self._lease_ended = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await asyncio.shield(self._lease_ended)
 
-    def give_back(self, nbytes: int, reason: str) -> list[asyncio.Future[Any]]:
-        """Free at least ``nbytes`` of retained memory where possible, spare slots first,
-        oldest checkpoints first; returns the unlinks under way."""
-        unlinks: list[asyncio.Future[Any]] = []
-        if nbytes <= 0:
-            return unlinks
-        layouts = sorted(self.store.retained.values(), key=_age)
-        steps: list[tuple[StagedLayout, Slot | None]] = [
-            (staged, slot) for staged in layouts for slot in self._spares(staged)
-        ]
-        steps += [(staged, None) for staged in layouts if _evictable(staged)]
-        freed = 0
-        for staged, slot in steps:
-            if freed >= nbytes:
+    def give_back(
+        self, nbytes: int, reason: str, *, first: int | None = None, others: bool = True
+    ) -> list[asyncio.Future[Any]]:
+        """Free at least ``nbytes`` of retained memory where possible (see the module's
+        rules: ``first``'s own first, then — with ``others`` — the largest holders');
+        leased layouts it needs are revoked and go when their leases end. Returns the
+        unlinks under way."""
+        unlinks, _ = self._give_back(nbytes, reason, first, others)
+        return [unlink for unlink, _ in unlinks]
+
+    def _give_back(
+        self,
+        nbytes: int,
+        reason: str,
+        first: int | None,
+        others: bool,
+        adopting: StagedLayout | None = None,
+    ) -> tuple[list[tuple[asyncio.Future[Any], int]], int]:
+        """``give_back``'s work: the unlinks under way with their bytes, and the bytes that
+        go once revoked leases end (or a job still writing from them finishes)."""
+        unlinks: list[tuple[asyncio.Future[Any], int]] = []
+        if nbytes <= 0 or not self.store.retained:
+            return unlinks, 0
+        steps = self._steps(first, others, adopting)
+        freed = pending = 0
+        while freed + pending < nbytes:
+            step = next(steps, None)
+            if step is None:
                 break
-            if slot is None:
-                freed += staged.bytes_reserved
-                unlinks.append(self._evict(staged, reason))
-            else:
-                freed += staged.slot_bytes
-                unlinks.append(self._drop(staged, slot, reason))
-        return unlinks
+            staged, slot = step
+            if slot is not None:
+                size = staged.slot_bytes
+                freed += size
+                unlinks.append((self._drop(staged, slot, reason), size))
+            elif _evictable(staged):
+                size = staged.bytes_reserved
+                freed += size
+                unlinks.append((self._evict(staged, reason), size))
+            elif staged.leased():
+                pending += staged.bytes_reserved
+                self._revoke(staged, reason)
+            # else a job still writes from it: the sweep gives it back once written
+        return unlinks, pending
+
+    def _steps(
+        self, first: int | None, others: bool, adopting: StagedLayout | None
+    ) -> Iterable[_Step]:
+        """Retained memory in the order it is given back: ``first``'s own, then (with
+        ``others``) always from the uid that still retains the most. Each step is taken
+        before the next is chosen (spare slots are looked up again)."""
+        layouts: dict[int, list[StagedLayout]] = {}
+        for staged in sorted(self.store.retained.values(), key=_age):
+            if staged is not adopting:
+                layouts.setdefault(staged.uid, []).append(staged)
+        left = {uid: sum(s.bytes_reserved for s in mine) for uid, mine in layouts.items()}
+
+        def of(uid: int) -> Iterable[_Step]:
+            mine = layouts.pop(uid, [])
+            for staged in mine:
+                for slot in self._spares(staged):
+                    left[uid] -= staged.slot_bytes
+                    yield staged, slot
+            for staged in mine:
+                left[uid] -= staged.bytes_reserved
+                yield staged, None
+
+        if first is not None:
+            yield from of(first)
+        if not others:
+            return
+        queues = {uid: iter(of(uid)) for uid in list(layouts)}
+        while queues:
+            uid = max(queues, key=lambda u: (left[u], -u))
+            step = next(queues[uid], None)
+            if step is None:
+                del queues[uid]
+                continue
+            yield step
 
     def _spares(self, staged: StagedLayout) -> list[Slot]:
         """Slots of a retained layout a restart can do without: free, unleased, not

@@ -284,7 +284,7 @@ class Session:
             return
         # room for every planned slot: the limits are checked for all of them now
         await self.daemon.retention.make_room(
-            self.store.registration_bytes(layout, max(slots, planned))
+            self.store.registration_bytes(layout, max(slots, planned)), self.peer.uid
         )
         nbytes = self.store.reserve(self.id, layout, slots, planned)
         making = time.perf_counter()
@@ -365,8 +365,21 @@ class Session:
     ) -> tuple[StagedLayout, int] | None:
         """Take over a retained layout of this user and structure, if there is one: its
         segments (and the checkpoint its newest slot holds) become this client's, up to
-        ``keep`` slots of them, and only the slots it lacks of ``slots`` are created."""
-        staged = self.daemon.retention.adoptable(self.peer.uid, layout, max(slots, keep))
+        ``keep`` slots of them, and only the slots it lacks of ``slots`` are created.
+
+        Never one with a leased slot (``retention.adoptable``): between that check and
+        ``store.adopt`` nothing awaits, so no lease can come in between."""
+        retention = self.daemon.retention
+        staged = retention.adoptable(self.peer.uid, layout, max(slots, keep))
+        if staged is None:
+            return None
+        # Room first for what adopting adds to this user's bytes (its other retained
+        # layouts count toward max_bytes); then look again, as a lease may have come.
+        lacking = staged.slot_bytes * max(slots - len(staged.slots), 0)
+        await retention.make_room(lacking, self.peer.uid, adopting=staged)
+        if not self.open:  # its layouts were released or retained meanwhile
+            raise ConnectionError("the client left while its registration waited for room")
+        staged = retention.adoptable(self.peer.uid, layout, max(slots, keep))
         if staged is None:
             return None
         kept = len(staged.slots)
@@ -375,7 +388,7 @@ class Session:
         nbytes = self.store.adopt(self.id, staged, slots)
         if kept < slots:
             try:
-                await self.daemon.retention.make_room(nbytes)
+                await retention.make_room(nbytes, self.peer.uid)
                 refs = await self._make_slots(layout, slots - kept, nbytes)
             except BaseException:
                 self._disown(staged, nbytes)
@@ -406,7 +419,7 @@ class Session:
         extra = max(wanted - len(staged.slots), 0)
         if extra:
             await self.daemon.retention.make_room(
-                self.store.registration_bytes(staged.layout, extra)
+                self.store.registration_bytes(staged.layout, extra), self.peer.uid
             )
         staged = self.store.get(self.id, staged.id)  # still this client's after the wait
         nbytes = self.store.reserve_slots(self.id, staged, wanted)
@@ -889,6 +902,8 @@ class Session:
             body["seconds"],
         )
         try:
+            if self.peer.uid != held.uid:
+                await self._unwritten(lease, slot)
             try:
                 await self.send("leased", frame.id, body)
             except ValueError as exc:  # the structure does not fit one frame: nothing sent
@@ -907,6 +922,34 @@ class Session:
             if lease.id in self.daemon.retention.leases:
                 self.daemon.retention.end(lease)
             raise
+
+    async def _unwritten(self, lease: retention.Lease, slot: Slot) -> None:
+        """Another user's lease holds only a slot nobody can write (see ``retention``): the
+        kernel counts no writer of its segments now, and the daemon hands none out while
+        the lease lasts. Refused otherwise: the reader reads the files."""
+        try:
+            written = await self.daemon.run_io(retention.writers, slot.segments)
+        except segment.SegmentError:
+            raise
+        except OSError as exc:
+            written = f"its segments cannot be checked now ({exc.strerror or exc})"
+        else:
+            if written is not None:
+                written = f"a process still holds its segment {written} open for writing"
+        if lease.id not in self.daemon.retention.leases:
+            raise RequestError(
+                ErrorCode.NOT_RETAINED,
+                f"the lease ended while it was granted ({lease.revoked or 'expired'}); "
+                "read the checkpoint from its files",
+            )
+        if written is not None:
+            self.daemon.telemetry.leased("refused")
+            raise RequestError(
+                ErrorCode.NOT_RETAINED,
+                f"uid {self.peer.uid} may not lease uid {lease.staged.uid}'s checkpoint "
+                f"(job {lease.job}) from memory: {written} (its trainer, or a process it "
+                "gave them to); read it from its files",
+            )
 
     async def _op_renew(self, frame: Frame) -> None:
         lease = self.daemon.retention.lease_of(self.id, frame.body["lease"])

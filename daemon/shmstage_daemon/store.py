@@ -2,7 +2,9 @@
 
 Limits are per *user* (uid), not per connection: one user opening twelve connections gets
 no more than one does, so a node's users cannot crowd each other out. Shared memory is
-charged in whole pages, as tmpfs allocates it (a 1-byte tensor reserves 4 KiB).
+charged in whole pages, as tmpfs allocates it (a 1-byte tensor reserves 4 KiB), and a
+user's retained layouts (kept for its restart, see ``retention``) stay charged to it:
+``max_bytes`` holds for its live and retained layouts together.
 
 Only the event loop touches a Store. Segment creation and unlinking are blocking calls, so
 the session runs them in the thread pool and reports back here; writer threads never see a
@@ -177,6 +179,9 @@ class UserUsage:
     prepared: int = 0
     journal_bytes: int = 0
     buffered_bytes: int = 0
+    #: Bytes of its layouts the daemon keeps for its restart (``retention``); they count
+    #: toward ``max_bytes`` with ``bytes``, the layouts it owns now.
+    retained_bytes: int = 0
 
     def idle(self) -> bool:
         return not any(vars(self).values())
@@ -280,17 +285,23 @@ class Store:
         usage = self.user(session)
         checks = [
             ("layouts", usage.layouts + layouts, lim.max_user_layouts, "max_layouts"),
-            ("bytes", usage.bytes + nbytes, lim.max_user_bytes, "max_bytes"),
+            ("bytes", usage.bytes + usage.retained_bytes + nbytes, lim.max_user_bytes, "max_bytes"),
             ("segments", usage.segments + nsegments, lim.max_user_segments, "max_segments"),
         ]
         for what, wanted, limit, setting in checks:
             if wanted > limit:
+                retained = (
+                    f" ({usage.retained_bytes} of them its retained checkpoints, which leases "
+                    "still hold)"
+                    if what == "bytes" and usage.retained_bytes
+                    else ""
+                )
                 raise StoreError(
                     ErrorCode.LIMIT_EXCEEDED,
                     f"this registration would bring uid {self.uids.get(session)} to {wanted} "
-                    f"{what}, over its limit of {limit} ({setting}, for all its connections "
-                    "together); release layouts first or raise the limit in shmstaged's "
-                    "configuration",
+                    f"{what}{retained}, over its limit of {limit} ({setting}, for all its "
+                    "connections together); release layouts first or raise the limit in "
+                    "shmstaged's configuration",
                 )
         if self.reserved_bytes + new_bytes > lim.shm_budget_bytes:
             raise StoreError(
@@ -478,9 +489,20 @@ class Store:
     def retained_bytes(self) -> int:
         return sum(staged.bytes_reserved for staged in self.retained.values())
 
+    def retained_of(self, uid: int) -> int:
+        usage = self.usage.get(uid)
+        return usage.retained_bytes if usage is not None else 0
+
+    def _retained_charge(self, uid: int, nbytes: int) -> None:
+        """Move ``nbytes`` of ``uid`` into (positive) or out of (negative) its retained."""
+        usage = self.usage.setdefault(uid, UserUsage())
+        usage.retained_bytes += nbytes
+        self._forget_if_idle(uid)
+
     def retain(self, staged: StagedLayout, now: float) -> None:
         """The client went away: keep the layout, owned by nobody, for a restart. Its
-        bytes stay in the budget; the client's usage is given back."""
+        bytes stay in the budget and charged to its user (as retained); its segments and
+        the layout no longer count toward the user's limits."""
         self.mark_released(staged)
         staged.released = False
         staged.retained = now
@@ -489,7 +511,7 @@ class Store:
             usage.bytes -= staged.bytes_reserved
             usage.segments -= staged.segment_count
             usage.layouts -= 1
-            self._forget_if_idle(staged.uid)
+        self._retained_charge(staged.uid, staged.bytes_reserved)
         self._unindex(staged)
         staged.owner = 0
         self.retained[staged.id] = staged
@@ -503,7 +525,12 @@ class Store:
         extra = max(slots - len(staged.slots), 0)
         nbytes = per_slot * (len(staged.slots) + extra)
         nsegments = len(staged.layout.packing()) * (len(staged.slots) + extra)
-        self._charge(session, nbytes, nsegments, per_slot * extra, slots, staged.layout.nbytes)
+        self._retained_charge(staged.uid, -staged.bytes_reserved)
+        try:
+            self._charge(session, nbytes, nsegments, per_slot * extra, slots, staged.layout.nbytes)
+        except StoreError:
+            self._retained_charge(staged.uid, staged.bytes_reserved)
+            raise
         del self.retained[staged.id]
         staged.owner, staged.retained = session, None
         self.by_session.setdefault(session, {})[staged.id] = staged
@@ -514,6 +541,10 @@ class Store:
         """Undo ``adopt`` (the slots it lacked could not be made): retained again."""
         staged.bytes_reserved -= nbytes
         self.reserved_bytes -= nbytes
+        usage = self.usage.get(staged.uid)
+        if usage is not None and nbytes:  # ``adopt`` charged the slots it lacked too
+            usage.bytes -= nbytes
+            usage.segments -= len(staged.layout.packing()) * (nbytes // staged.slot_bytes)
         self.retain(staged, now)
 
     def extend(self, staged: StagedLayout, refs: list[list[SegmentRef]]) -> None:
@@ -527,6 +558,7 @@ class Store:
         staged.slots.remove(slot)
         staged.bytes_reserved -= nbytes
         self.reserved_bytes -= nbytes
+        self._retained_charge(staged.uid, -nbytes)
         staged.renumber()
         return [ref.name for ref in slot.segments]
 
@@ -535,6 +567,7 @@ class Store:
         del self.retained[staged.id]
         del self.layouts[staged.id]
         self.reserved_bytes -= staged.bytes_reserved
+        self._retained_charge(staged.uid, -staged.bytes_reserved)
         return staged.segment_names()
 
     def _unindex(self, staged: StagedLayout) -> None:

@@ -337,6 +337,7 @@ def test_command_line_overrides_are_validated_like_the_file(tmp_path: Path) -> N
         "log_level": ("info", "debug"),
         "shm_budget_bytes": (1 << 20, 2 << 20),
         "retain_budget_bytes": (1 << 19, 1 << 20),  # half the budget, by default
+        "retain_user_budget_bytes": (1 << 19, 1 << 20),  # all of that, by default
     }
     with pytest.raises(ConfigError) as info:
         base.replace(writer_threads=0, fsync="sometimes")
@@ -460,8 +461,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
                    "default_slots"],
         "storage": ["writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io",
                     "fsync"],
-        "retention": ["ttl", "budget", "min_free", "lease_seconds", "max_lease_seconds",
-                      "max_leases"],
+        "retention": ["ttl", "budget", "user_budget", "min_free", "lease_seconds",
+                      "max_lease_seconds", "max_leases", "revoke_grace"],
         "log": ["level", "format"],
     }
     for table, keys in table_keys.items():
@@ -474,7 +475,7 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
             if (table, key) in PACKAGED_SETTINGS:
                 continue
             field = f"log_{key}" if table == "log" else key
-            if table == "retention" and key in ("ttl", "budget", "min_free"):
+            if table == "retention" and key in ("ttl", "budget", "user_budget", "min_free"):
                 field = f"retain_{key}"
             if isinstance(value, str) and isinstance(getattr(defaults, field), int):
                 value = parse_size(value)  # a size written with its unit
@@ -510,6 +511,7 @@ def test_retention_defaults_resolve_against_the_budgets() -> None:
     assert config.retain_budget_bytes == 1 << 19  # half the shared-memory budget
     assert config.retain_min_free_bytes == int(measure_shm().shm_total * 0.10)
     assert config.restore_groups == frozenset() and config.max_leases == 64
+    assert config.retain_user_budget_bytes == 1 << 19 and config.revoke_grace == 10
 
 
 def test_retention_keys_are_read_and_checked(tmp_path: Path) -> None:
@@ -518,8 +520,15 @@ def test_retention_keys_are_read_and_checked(tmp_path: Path) -> None:
             tmp_path,
             '[limits]\nshm_budget = "1MiB"\n[server]\nrestore_groups = [0]\n'
             '[retention]\nttl = 0\nbudget = "256KiB"\nmin_free = 4096\nlease_seconds = 2\n'
-            "max_lease_seconds = 3\nmax_leases = 5\n",
+            'max_lease_seconds = 3\nmax_leases = 5\nuser_budget = "25%"\nrevoke_grace = 0\n',
         )
+    )
+    assert (config.retain_user_budget_bytes, config.revoke_grace) == (64 << 10, 0)
+    assert "revoke_grace = -1: expected a finite number of seconds >= 0" in rejection(
+        tmp_path, "[retention]\nrevoke_grace = -1\n"
+    )
+    assert "user_budget = \"0%\": a percentage must be above 0%" in rejection(
+        tmp_path, '[retention]\nuser_budget = "0%"\n'
     )
     assert (config.retain_ttl, config.retain_budget_bytes, config.retain_min_free_bytes) == (
         0,

@@ -293,6 +293,7 @@ print(json.dumps(out))
         with Stager(daemon.socket, slots=2) as stager:
             stager.save(states[0], ckpt / "c1").wait(60)
             stager.save(states[1], ckpt / "c2").wait(60)
+            stager.close(retain=True)  # another uid reads memory only once the trainer left
             out = json.loads(run_as(reader.format(ckpt=str(ckpt), sock=str(daemon.socket))))
             if allowed:  # a group member: from memory, descriptors read-only, one slot
                 assert out["source"] == "memory" and "memory" not in out
@@ -302,7 +303,6 @@ print(json.dumps(out))
                 assert out["source"] == "files" and "restore_groups" in out["reason"]
                 assert "belongs to uid 0" in out["memory"]
                 assert out["c2"] == ["error", "not_allowed"]
-            stager.close(retain=True)
         daemon.stop()
         for path in ("c1", "c2"):
             for child in sorted((ckpt / path).iterdir()):
