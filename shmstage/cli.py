@@ -273,7 +273,11 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
     out.append(f"socket     {s.get('socket', '?')}{socket_note}")
     out.append(f"config     {s.get('config') or 'built-in defaults'}")
     share = used / budget if budget else 0.0
-    usage = f"{format_size(used)} of {format_size(budget)} budget"
+    mine = s.get("restricted_to_uid")
+    # an ordinary user sees its own figures only (the daemon sends no one else's)
+    usage = f"{format_size(used)} of {format_size(budget)} budget" + (
+        "" if mine is None else f" held by uid {mine}"
+    )
     if bars:
         out.append(f"shm        {_bar(share)} {usage}")
     else:
@@ -304,7 +308,7 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
     if totals:
         out.append(
             f"totals     {totals.get('saves', 0)} saved ({format_size(totals.get('bytes', 0))}), "
-            f"{totals.get('failed', 0)} failed"
+            f"{totals.get('failed', 0)} failed" + ("" if mine is None else f" by uid {mine}")
         )
     out.append("")
     clients = _other_clients(s)

@@ -49,7 +49,14 @@ from shmstage_daemon.config import measure_shm
 from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.session import Session
 from shmstage_daemon.slot import Slot
-from shmstage_daemon.store import Limits, SlotWire, StagedLayout, Store, StoreError
+from shmstage_daemon.store import (
+    Limits,
+    SlotWire,
+    StagedLayout,
+    Store,
+    StoreError,
+    UserUsage,
+)
 from shmstage_daemon.telemetry import FinishedJob, Telemetry, describe_stall
 from shmstage_daemon.transport import Transport
 
@@ -860,10 +867,16 @@ class Daemon:
         cap = measure_shm()
         limits = self.store.limits
         only = None if viewer is None or self.sees_everyone(viewer) else viewer.uid
+        own = self.store.usage.get(only, UserUsage()) if only is not None else UserUsage()
         sessions = [s for s in self.sessions.values() if only is None or s.peer.uid == only]
         jobs = {
             jid: r for jid, r in self.jobs.items() if only is None or r.session.peer.uid == only
         }
+        memory = self.retention.status(
+            x for x in self.store.layouts.values() if only is None or x.uid == only
+        )
+        if only is not None:
+            memory.update(self._own_retention(only))
         return {
             "version": __version__,
             "instance": self.instance,
@@ -875,7 +888,9 @@ class Daemon:
             "activated": self.activated,
             "config": str(self.settings.config_source or ""),
             "stopping": self.stopping,
-            "shm_reserved_bytes": self.store.reserved_bytes,
+            # An ordinary user's own figures only: the node's sums changed when another
+            # user's trainer registered or died, which told its layout's size and when.
+            "shm_reserved_bytes": self.store.reserved_bytes if only is None else own.bytes,
             "shm_budget_bytes": limits.shm_budget_bytes,
             "shm": {
                 "total_bytes": cap.shm_total,
@@ -884,11 +899,7 @@ class Daemon:
             },
             "limits": {**limits.to_wire(), "default_slots": self.settings.default_slots},
             "clients": [self._client_status(s, jobs) for s in sessions],
-            "memory": self.retention.status(
-                staged
-                for staged in self.store.layouts.values()
-                if only is None or staged.uid == only
-            ),
+            "memory": memory,
             "jobs": [
                 {
                     "job": jid,
@@ -905,8 +916,17 @@ class Daemon:
             ],
             "recent": self.telemetry.recent(uid=only),
             "errors": self.telemetry.recent_errors(uid=only),
-            "totals": dict(self.stats),
+            "totals": dict(self.stats) if only is None else self.telemetry.totals(only),
             "restricted_to_uid": only,
+        }
+
+    def _own_retention(self, uid: int) -> dict[str, int]:
+        """Retention's node-wide figures, as far as they are ``uid``'s own."""
+        retained = [x for x in self.store.retained.values() if x.uid == uid]
+        return {
+            "retained_bytes": sum(x.bytes_reserved for x in retained),
+            "retained_layouts": len(retained),
+            "leases": sum(1 for lease in self.retention.leases.values() if lease.uid == uid),
         }
 
     def _client_status(self, session: Session, jobs: dict[int, JobRecord]) -> dict[str, Any]:

@@ -52,6 +52,8 @@ MAX_METADATA_ENTRIES = 10_000
 MAX_UNREPORTED_JOBS = 64
 #: Acquires of one layout that may wait at once; more is a client loop gone wrong.
 MAX_WAITERS_PER_LAYOUT = 64
+#: "restored" reports of restores from files one session may add to the metrics.
+MAX_FILE_RESTORE_REPORTS = 4
 #: A connection must say hello within this long, and a frame whose first byte arrived must
 #: be complete within FRAME_TIMEOUT_S: an idle or trickling peer holds nothing for long.
 HELLO_TIMEOUT_S = 10.0
@@ -92,6 +94,10 @@ class Session:
         self._prepared: dict[int, tuple[job.PersistJob, StagedLayout, Slot]] = {}
         #: Jobs started for this client whose "report" may still come, oldest first.
         self._unreported: collections.OrderedDict[int, job.PersistJob] = collections.OrderedDict()
+        #: What this session's "restored" reports may still count (see ``_op_restored``):
+        #: one from memory per lease it held to its end, a few from files.
+        self._memory_restores = 0
+        self._file_restores = MAX_FILE_RESTORE_REPORTS
         self.started = time.time()
 
     @property
@@ -264,6 +270,15 @@ class Session:
         await self.send("status", frame.id, {"status": self.daemon.status(self.peer)})
 
     async def _op_metrics(self, frame: Frame) -> None:
+        """The node's metrics: every user's saves, bytes and restores summed, so only for
+        those who may see every user (``sees_everyone``); ``status`` shows anyone its own."""
+        if not self.daemon.sees_everyone(self.peer):
+            raise RequestError(
+                ErrorCode.NOT_ALLOWED,
+                f"uid {self.peer.uid} may not read shmstaged's metrics (they sum every "
+                "user's activity): run as root or shmstaged's user, or join a group in its "
+                "[server] operator_groups; `shmstage status` shows your own",
+            )
         await self.send("metrics", frame.id, {"metrics": self.daemon.metrics()})
 
     async def _op_register(self, frame: Frame) -> None:
@@ -834,12 +849,16 @@ class Session:
         finally:
             close_fds(frame.fds)
         entry = self.daemon.retention.find((st.st_dev, st.st_ino), frame.body["digest"])
-        if entry is None:
+        # Another user's checkpoint this caller may not read is, to it, not in memory: a
+        # refusal that said so would tell it what another user keeps there, and whose.
+        if entry is None or not self.daemon.retention.may_read(self.peer, entry[2]):
             self.daemon.telemetry.leased("not_retained")
             raise RequestError(
                 ErrorCode.NOT_RETAINED,
-                "shmstaged does not hold this checkpoint in memory (never, refilled, given "
-                "back, or its files changed since); read it from its files",
+                "shmstaged does not hold this checkpoint in memory for you (never, refilled, "
+                "given back, its files changed since, or another user's, which only members "
+                "of its [server] restore_groups may restore from memory); read it from its "
+                "files",
             )
         await self._grant(frame, entry, structure=False)
 
@@ -963,11 +982,23 @@ class Session:
         held = lease is not None and lease.session == self.id
         if held:
             self.daemon.retention.end(lease)  # type: ignore[arg-type]
+            self._memory_restores += 1
         await self.send("unleased", frame.id, {"lease": frame.body["lease"], "held": held})
 
     async def _op_restored(self, frame: Frame) -> None:
-        """How a restore went (never answered): for the metrics."""
+        """How a restore went (never answered): for the metrics. It is only the client's
+        word, so a session's reports count only as far as it could have restored: from
+        memory once per lease it held to its end, from files a few times (a restore opens
+        a connection of its own and reports once); the rest are dropped."""
         body = frame.body
+        if body["source"] == "memory":
+            if not self._memory_restores:
+                return
+            self._memory_restores -= 1
+        elif body["source"] == "files":
+            if not self._file_restores:
+                return
+            self._file_restores -= 1
         self.daemon.telemetry.restored(body["source"], _finite(body["seconds"]), body["bytes"])
 
     async def job_finished(self, persist: job.PersistJob, result: job.JobResult) -> None:

@@ -107,6 +107,8 @@ class Telemetry:
             r.inc("restores_total", 0, source=source)
         self.jobs: deque[FinishedJob] = deque(maxlen=RECENT_JOBS)
         self.errors: deque[RecentError] = deque(maxlen=RECENT_ERRORS)
+        #: Each uid's own save totals, what ``status`` shows it instead of the node's.
+        self._totals: dict[int, dict[str, int]] = {}
 
     # -- events ------------------------------------------------------------------
 
@@ -151,6 +153,9 @@ class Telemetry:
 
     def job_finished(self, job: FinishedJob, code: str = "", message: str = "") -> None:
         self.jobs.append(job)
+        totals = self._totals.setdefault(job.uid, _no_saves())
+        totals["saves" if job.ok else "failed"] += 1
+        totals["bytes"] += job.bytes if job.ok else 0
         self.registry.inc("saves_total", result="ok" if job.ok else "failed")
         self.registry.observe("persist_seconds", job.persist_seconds)
         if job.ok:
@@ -187,6 +192,10 @@ class Telemetry:
             "jobs": [asdict(j) for j in mine[-10:]],
         }
 
+    def totals(self, uid: int) -> dict[str, int]:
+        """One uid's saves, failures and bytes written since the daemon started."""
+        return dict(self._totals.get(uid, _no_saves()))
+
     def recent_errors(self, uid: int | None = None) -> list[dict[str, Any]]:
         return [asdict(e) for e in self.errors if uid is None or e.uid == uid]
 
@@ -194,6 +203,10 @@ class Telemetry:
         for name, value in gauges.items():
             self.registry.set(name, value)
         return self.registry.snapshot()
+
+
+def _no_saves() -> dict[str, int]:
+    return {"saves": 0, "failed": 0, "bytes": 0}
 
 
 def describe_stall(timings: dict[str, float]) -> str:
