@@ -551,6 +551,9 @@ class Stager:
                 mapped.prefault_slot(index, BACKGROUND_SETUP_THREADS)
                 mapped.mark_ready(index + 1)  # a save may take it already
         except (SaveError, OSError, ValueError) as exc:
+            if self._layout is not mapped:  # released on purpose (the structure changed)
+                log.debug("layout %d was released before its slots were added: %s", mapped.id, exc)
+                return
             if not self._warned_slots:
                 self._warned_slots = True
                 log.warning(

@@ -628,3 +628,23 @@ def test_slots_refused_after_the_first_save_leave_a_working_layout_and_a_warning
         assert_same(load(ckpt / "c"), {"w": torch.zeros(mib // 4)})
     finally:
         daemon.discard()
+
+
+def test_a_structure_change_while_slots_are_being_added_warns_of_nothing(
+    daemon, ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The layout a save stops using is released on purpose: a request still adding slots
+    to it (held back here until the release is under way) fails with unknown_layout, and
+    that is no news for the trainer — it used to read "keeps 1 of its 2 slots: adding the
+    others failed (unknown_layout)"."""
+    with Stager(daemon.socket) as stager, caplog.at_level(logging.WARNING, "shmstage.client"):
+        gate = threading.Event()
+        stager._background.submit(gate.wait, 60)  # holds back the request for slot 2
+        stager.save({"w": torch.ones(16)}, ckpt / "a").wait(60)
+        grown = stager._layout
+        threading.Timer(1.0, gate.set).start()  # once the next save is replacing the layout
+        stager.save({"w": torch.ones(16), "v": torch.ones(8)}, ckpt / "b").wait(60)
+        grown.growth.result(60)
+        stager.save({"w": torch.ones(16), "v": torch.ones(8)}, ckpt / "c").wait(60)
+    assert "keeps" not in caplog.text and "unknown_layout" not in caplog.text, caplog.text
+    assert_same(load(ckpt / "c"), {"w": torch.ones(16), "v": torch.ones(8)})
