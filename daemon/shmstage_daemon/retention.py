@@ -544,6 +544,9 @@ class Retention:
             elif expired and staged.leased():
                 self._revoke(staged, "ttl")
         self.give_back(self.store.retained_bytes - self.policy.budget_bytes, "budget")
+        for uid, usage in list(self.store.usage.items()):  # a reload may lower the share
+            over = usage.retained_bytes - self.policy.user_budget_bytes
+            self.give_back(over, "share", first=uid, others=False)
         if self.store.retained:
             capacity = measure_shm()
             self.give_back(self.policy.min_free_bytes - capacity.usable, "pressure")

@@ -347,3 +347,18 @@ def test_a_users_leases_on_one_checkpoint_cannot_be_chained_past_max_lease_secon
         node.retention.end(node.lease(READER, staged, frozenset({GROUP})))  # its own count
 
     on_a_loop(scenario)
+
+
+def test_a_lower_share_after_a_reload_is_enforced_by_the_sweep() -> None:
+    async def scenario() -> None:
+        node = Node(budget=128 * MiB)
+        node.die(node.trainer(OWNER, 30, name="a"))
+        node.die(node.trainer(OWNER, 30, name="b"))
+        node.retention.policy = RetentionPolicy(
+            budget_bytes=128 * MiB, user_budget_bytes=40 * MiB
+        )  # as a SIGHUP reload sets it
+        node.retention.sweep()
+        (kept,) = node.retained(OWNER)
+        assert kept.layout.tensors[0].key == "b"  # the newest stays
+
+    on_a_loop(scenario)
