@@ -211,10 +211,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Above any real limit, and inside the 64-bit integers the protocol carries: a larger
+#: limit passed the configuration and then failed every client's hello ("internal error").
+_MAX_INT = 1 << 62
+
+
 def _int_at_least(low: int) -> Callable[[Any], int]:
     def convert(value: Any) -> int:
         if not _is_int(value) or value < low:
             raise _Invalid(f"expected an integer ≥ {low}")
+        if value > _MAX_INT:
+            raise _Invalid(f"expected an integer ≥ {low} and at most {_MAX_INT} (2**62)")
         return int(value)
 
     return convert
@@ -270,9 +277,9 @@ def _size_at_least_one(value: Any) -> int:
     try:
         nbytes = parse_size(value)
     except ValueError:
-        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "64MiB")') from None
-    if nbytes < 1:
-        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "64MiB")')
+        nbytes = 0
+    if not 1 <= nbytes <= _MAX_INT:
+        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "64MiB", at most 4 EiB)')
     return nbytes
 
 
@@ -301,8 +308,8 @@ def _optional_size(value: Any) -> int | None:
         nbytes = parse_size(value)
     except ValueError:
         nbytes = 0
-    if nbytes < 1:
-        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "16GiB")')
+    if not 1 <= nbytes <= _MAX_INT:
+        raise _Invalid('expected bytes (an integer ≥ 1 or a size like "16GiB", at most 4 EiB)')
     return nbytes
 
 
@@ -418,6 +425,8 @@ _TABLES: dict[str, list[str]] = {}
 for _field_name, (_table, _key, _) in _SCHEMA.items():
     _TABLES.setdefault(_table, []).append(_key)
 _BY_TABLE_KEY = {(t, k): name for name, (t, k, _) in _SCHEMA.items()}
+#: The table each key belongs under, to name it for a key written outside it.
+_HOME = {k: t for t, k, _ in _SCHEMA.values()}
 
 
 def _problem(name: str, value: Any, why: str) -> str:
@@ -624,6 +633,12 @@ def load_config(path: Path | None = None) -> Config:
     problems: list[str] = []
     values: dict[str, Any] = {}
     for table, body in document.items():
+        if table not in _TABLES and not isinstance(body, dict) and table in _HOME:
+            problems.append(
+                f"{where}: {table} = {_toml_repr(body)} is outside any table: it belongs under "
+                f"[{_HOME[table]}] (write it below that table's header)"
+            )
+            continue
         if table not in _TABLES:
             problems.append(f"{where}: " + _unknown(f"table [{table}]", list(_TABLES), table))
             continue
@@ -634,7 +649,10 @@ def load_config(path: Path | None = None) -> Config:
             name = _BY_TABLE_KEY.get((table, key))
             if name is None:
                 label = f"key [{table}] {key}"
-                problems.append(f"{where}: " + _unknown(label, _TABLES[table], key))
+                if key in _HOME:  # a real setting, in the wrong table
+                    problems.append(f"{where}: unknown {label}: it belongs under [{_HOME[key]}]")
+                else:
+                    problems.append(f"{where}: " + _unknown(label, _TABLES[table], key))
                 continue
             try:
                 values[name] = _SCHEMA[name][2](raw)
