@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from shmstage import checkpoint, instance, listing, orphans
 from shmstage.control import ControlClient, ControlError
@@ -67,7 +67,7 @@ def _ls(args: argparse.Namespace) -> int:
     rows = [
         [
             "-" if c.step is None else str(c.step),
-            c.state + (f" ({c.problem})" if c.state == listing.DAMAGED else ""),
+            c.state,
             format_size(c.bytes),
             str(c.files),
             _when(c.committed_unix),
@@ -75,7 +75,13 @@ def _ls(args: argparse.Namespace) -> int:
         ]
         for c in found
     ]
-    _table(["STEP", "STATE", "SIZE", "FILES", "COMMITTED", "PATH"], rows, sys.stdout)
+    header, *lines = _table_lines(["STEP", "STATE", "SIZE", "FILES", "COMMITTED", "PATH"], rows)
+    out = [header[2:]]
+    for c, line in zip(found, lines, strict=True):
+        out.append(line[2:])
+        if c.state == listing.DAMAGED:  # its own line: a long reason would stretch the column
+            out.append(f"    damaged: {c.problem}")
+    sys.stdout.write("\n".join(out) + "\n")
     return 0
 
 
@@ -411,10 +417,6 @@ def _table_lines(header: list[str], rows: list[list[str]]) -> list[str]:
         "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in [header, *rows]
     ]
-
-
-def _table(header: list[str], rows: list[list[str]], stream: TextIO) -> None:
-    stream.write("\n".join(line[2:] for line in _table_lines(header, rows)) + "\n")
 
 
 # ------------------------------------------------------------------------------ parser

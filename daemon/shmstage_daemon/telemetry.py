@@ -24,6 +24,10 @@ MAX_ERROR_CHARS: Final = 500
 MAX_REPORTED_SECONDS: Final = 7 * 86400.0
 #: "Recent throughput" means the saves finished within this many seconds.
 THROUGHPUT_WINDOW_S: Final = 300.0
+#: Answers that are nobody's error: "not in memory" is how every ``load(path)`` of a
+#: checkpoint the daemon no longer holds begins (it then reads the files). Counted in
+#: ``leases_total{result="not_retained"}``; listed among the errors, they buried real ones.
+NOT_ERRORS: Final = frozenset({"not_retained"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +171,8 @@ class Telemetry:
     def error(
         self, client: str, code: str, message: str, *, job: int | None = None, uid: int = -1
     ) -> None:
+        if code in NOT_ERRORS:
+            return
         self.registry.inc("errors_total", code=code or "unknown")
         self.errors.append(
             RecentError(

@@ -182,7 +182,25 @@ def test_ls_reports_a_checkpoint_whose_files_do_not_match_its_manifest(
     assert listed["cut"]["state"] == "damaged"
     assert "model.safetensors is 10 bytes" in listed["cut"]["problem"]
     assert listed["other"]["state"] == "damaged" and listed["other"]["step"] is None
-    assert "damaged (model.safetensors is 10 bytes" in shmstage("ls", str(ckpt)).stdout
+    table = shmstage("ls", str(ckpt)).stdout.splitlines()
+    cut = next(i for i, line in enumerate(table) if line.endswith("run/cut"))
+    assert table[cut + 1].lstrip().startswith("damaged: model.safetensors is 10 bytes")
+
+
+def test_ls_gives_a_damaged_checkpoints_reason_a_line_of_its_own(tmp_path: Path) -> None:
+    """The STATE column holds the state only: with the reason in it, one long reason
+    stretched the column for every row and the rows wrapped."""
+    for name, text in (("a", "{not json"), ("b", "[]"), ("c", '{"format": 1}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / MANIFEST_NAME).write_text(text)
+    lines = shmstage("ls", str(tmp_path)).stdout.splitlines()
+    header, rows = lines[0], [line for line in lines[1:] if not line.startswith(" ")]
+    reasons = [line for line in lines[1:] if line.startswith(" ")]
+    assert header.split() == ["STEP", "STATE", "SIZE", "FILES", "COMMITTED", "PATH"]
+    assert [row.split()[1] for row in rows] == ["damaged"] * 3
+    assert all(len(row) <= len(header) + 2 for row in rows), lines  # nothing stretched
+    assert len(reasons) == 3 and all(r.strip().startswith("damaged: ") for r in reasons)
+    assert "is not valid JSON" in reasons[0]
 
 
 def test_commands_that_need_the_daemon_say_so_when_it_is_not_running(tmp_path: Path) -> None:
@@ -242,3 +260,26 @@ def test_gc_says_what_a_dead_daemons_journal_keeps_and_why(tmp_path: Path) -> No
         for ref in held:
             segment.unlink(ref.name)
         os.unlink(instance.lock_path(dead))
+
+
+def test_status_lists_real_errors_not_loads_that_found_nothing_in_memory(
+    daemon: RunningDaemon, ckpt: Path
+) -> None:
+    """An ordinary ``load(path)`` of a checkpoint the daemon no longer holds is answered
+    not_retained and reads the files: no error of anyone's. It is counted in the metrics
+    (leases_total{result="not_retained"}), and RECENT ERRORS keeps the real ones."""
+    from shmstage_client import load
+
+    with Stager(daemon.socket) as stager:  # closed: its layout is released, not retained
+        stager.save({"w": torch.ones(4)}, ckpt / "a").wait(WAIT_S)
+    for _ in range(3):
+        assert load(ckpt / "a", socket=daemon.socket, with_info=True).source == "files"
+    with Stager(daemon.socket, slots=9) as stager, pytest.raises(Exception, match="slots"):
+        stager.save({"w": torch.ones(4)}, ckpt / "b").wait(WAIT_S)  # a real error
+    status = json.loads(shmstage("status", "--json", "--socket", str(daemon.socket)).stdout)
+    assert [e["code"] for e in status["errors"]] and all(
+        e["code"] != "not_retained" for e in status["errors"]
+    ), status["errors"]
+    assert "not_retained" not in shmstage("status", "--socket", str(daemon.socket)).stdout
+    metrics = shmstage("metrics", "--socket", str(daemon.socket)).stdout
+    assert 'shmstage_leases_total{result="not_retained"} 3' in metrics, metrics
