@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from shmstage.layout import Layout
 from shmstage.segment import SegmentRef
 from shmstage_daemon.admission import Peer
+from shmstage_daemon.inflight import InFlight
 from shmstage_daemon.retention import Retention
 from shmstage_daemon.slot import Slot
 from shmstage_daemon.store import SlotWire, StagedLayout, Store
@@ -34,6 +35,7 @@ class SessionHost(Protocol):
     store: Store
     telemetry: Telemetry
     retention: Retention
+    inflight: InFlight
     instance: str
     fsync: bool
     stopping: bool

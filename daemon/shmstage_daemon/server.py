@@ -39,6 +39,7 @@ from shmstage_daemon import (
     __version__,
     credentials,
     faults,
+    inflight,
     job,
     journal,
     retention,
@@ -48,7 +49,7 @@ from shmstage_daemon.admission import Allowlist, Peer, peer_of
 from shmstage_daemon.config import measure_shm
 from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.session import Session
-from shmstage_daemon.slot import Slot
+from shmstage_daemon.slot import Slot, SlotState
 from shmstage_daemon.store import (
     Limits,
     SlotWire,
@@ -136,6 +137,9 @@ class Daemon:
         self.started = time.time()
         self.stats = {"saves": 0, "failed": 0, "bytes": 0}
         self.telemetry = Telemetry()
+        #: Segment descriptors sent and not read yet, per user, and the closed sessions'
+        #: sockets that still hold some (``inflight``).
+        self.inflight = inflight.InFlight()
         self.retention = retention.Retention(
             self.store, settings.retention, self.telemetry, self.unlink_later, self._lease_ended
         )
@@ -471,6 +475,7 @@ class Daemon:
         await self._flush_sessions()
         for session in list(self.sessions.values()):
             session.close()
+        self.inflight.close()
         if self._pending_unlinks:
             await asyncio.wait(self._pending_unlinks, timeout=10)
         owed = self._owed_at_exit
@@ -779,7 +784,12 @@ class Daemon:
         for staged in self.store.layouts_of(session.id):
             if self.stopping or not self.retention.keep(staged):
                 self.release(staged)
-        self.store.forget_client(session.id)
+        if session.transport.lingering:  # still one of its user's connections until read
+            self.inflight.linger(
+                session.transport, functools.partial(self.store.forget_client, session.id)
+            )
+        else:
+            self.store.forget_client(session.id)
 
     def start_job(
         self, session: Session, staged: StagedLayout, slot: Slot, persist: job.PersistJob

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import fcntl
 import json
 import logging
@@ -17,7 +18,7 @@ import os
 import stat
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from shmstage import datafile, names, segment, tree
 from shmstage.layout import Layout, LayoutError
@@ -34,7 +35,7 @@ from shmstage.protocol import (
     Role,
 )
 from shmstage.segment import SegmentRef
-from shmstage_daemon import __version__, credentials, job, retention
+from shmstage_daemon import __version__, credentials, inflight, job, retention
 from shmstage_daemon.admission import Peer, may_write_dir
 from shmstage_daemon.host import SessionHost
 from shmstage_daemon.slot import Slot, SlotState
@@ -58,6 +59,12 @@ MAX_FILE_RESTORE_REPORTS = 4
 #: be complete within FRAME_TIMEOUT_S: an idle or trickling peer holds nothing for long.
 HELLO_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 30.0
+#: Why sending descriptors can fail for a reason that is nobody's fault in particular.
+OUT_OF_DESCRIPTORS = {
+    errno.ETOOMANYREFS: "too many descriptors in flight from shmstaged's user",
+    errno.EMFILE: "shmstaged has as many descriptors open as its RLIMIT_NOFILE allows",
+    errno.ENFILE: "the node has as many files open as fs.file-max allows",
+}
 #: A commit sent ahead of its copy ("prepared") is dropped if its "ready" does not come
 #: within this long: it holds a slot, a journal entry and the client's tree meanwhile.
 PREPARED_TIMEOUT_S = 300.0
@@ -181,7 +188,7 @@ class Session:
         for task in self._tasks:
             task.cancel()
         self.conn.close()
-        self.transport.close()
+        self.transport.close(linger=True)  # see ``inflight``: unread descriptors stay charged
         self.daemon.session_closed(self)
 
     async def _dispatch(self, frame: Frame) -> None:
@@ -361,19 +368,55 @@ class Session:
     ) -> None:
         """Segment descriptors in frames of at most ``batch``, opened now, closed once sent.
 
-        One batch in flight at a time: descriptors the client has not read yet are charged
-        to the daemon's user (see ``Transport.drained``); a client that stops reading is
-        dropped after the send timeout.
+        Descriptors the client has not read yet are the daemon user's, to the kernel: one
+        batch is in flight per connection (``Transport.drained``; a client that stops
+        reading is dropped after the send timeout), and each is charged to this user until
+        read, within its share (``inflight``: a batch shrinks to what is left of it). When
+        no room comes, or the kernel refuses anyway (ETOOMANYREFS, the daemon out of
+        descriptors), this requester hears limit_exceeded and nobody else notices; a
+        registration's session then ends, since its client lacks segments the daemon
+        counts as its own (the session's end releases or retains them, as for any client
+        gone mid-registration).
         """
-        for first in range(0, len(refs), batch):
-            await self.transport.drained(self.transport.send_timeout)
+        first = 0
+        while first < len(refs):
             fds: list[int] = []
             try:
-                for ref in refs[first : first + batch]:
+                await self.transport.drained(self.transport.send_timeout)
+                count = await self.daemon.inflight.take(
+                    self.transport, self.peer.uid, min(batch, len(refs) - first)
+                )
+                for ref in refs[first : first + count]:
                     fds.append(segment.open_fd(ref, writable=writable))
                 await self.send(op, request_id, {**fields, "first": first}, fds)
+            except inflight.NoRoom as exc:
+                await self._transfer_refused(request_id, str(exc), fatal=writable)
+            except OSError as exc:
+                if exc.errno not in OUT_OF_DESCRIPTORS:
+                    raise
+                await self._transfer_refused(
+                    request_id,
+                    f"shmstaged could not pass segment descriptors now ({exc.strerror}: "
+                    f"{OUT_OF_DESCRIPTORS[exc.errno]}); retry shortly",
+                    fatal=writable,
+                )
             finally:
                 close_fds(fds)
+            first += count
+
+    async def _transfer_refused(
+        self, request_id: int, message: str, *, fatal: bool
+    ) -> NoReturn:
+        """Refuse a transfer of segments as limit_exceeded: this request only, or with
+        ``fatal`` the session (after telling the client why)."""
+        log.warning("%s: segments not sent: %s", self.describe(), message)
+        if not fatal:
+            raise RequestError(ErrorCode.LIMIT_EXCEEDED, message)
+        self.daemon.telemetry.error(
+            self.describe(), str(ErrorCode.LIMIT_EXCEEDED), message, uid=self.peer.uid
+        )
+        await self._send_error(request_id, ErrorCode.LIMIT_EXCEEDED, message, fatal=True)
+        raise ConnectionError(f"ended: {message}")
 
     async def _adopt(
         self, layout: Layout, slots: int, keep: int

@@ -40,6 +40,8 @@ class Transport:
         self._fd = sock.fileno()
         #: Readiness waits in progress: woken (and unregistered) by ``close``.
         self._waiting: set[asyncio.Future[None]] = set()
+        #: Closed, but the socket kept open until the peer has read what was sent (``close``).
+        self.lingering = False
 
     async def _ready(self, *, write: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -88,6 +90,11 @@ class Transport:
         async with self._send_lock:
             await asyncio.wait_for(self._send_all(data, fds), self.send_timeout)
 
+    @property
+    def sending(self) -> bool:
+        """A send is under way (what ``unread`` says may not count it yet)."""
+        return self._send_lock.locked()
+
     async def _send_all(self, data: bytes, fds: Sequence[int]) -> None:
         view = memoryview(data)
         pending_fds = list(fds)
@@ -110,11 +117,12 @@ class Transport:
         Descriptors in flight on a unix socket are charged to the *sender's* user until
         the receiver reads them: a client that asks for 60,000 segments and never reads
         would hold the daemon user's quota of in-flight descriptors and make every other
-        user's registration fail with ETOOMANYREFS. So each batch waits for the last.
+        user's registration fail with ETOOMANYREFS. So each batch waits for the last (and
+        ``inflight`` bounds what all of a user's connections hold unread).
         """
         deadline = asyncio.get_running_loop().time() + timeout
         delay = 0.0002
-        while self._unread() > 0:
+        while self.unread() > 0:
             if self.closed:
                 raise ConnectionError("connection closed")
             if asyncio.get_running_loop().time() > deadline:
@@ -122,32 +130,49 @@ class Transport:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def _unread(self) -> int:
+    def unread(self) -> int:
+        """Bytes sent that the peer has not read (SIOCOUTQ): 0 also once its socket is gone,
+        since the kernel frees what was queued there, and the descriptors with it."""
         try:
             return struct.unpack("i", fcntl.ioctl(self.sock, termios.TIOCOUTQ, b"\0" * 4))[0]
-        except OSError:
+        except (OSError, ValueError):  # ValueError: this socket was closed
             return 0
 
-    def close(self) -> None:
+    def close(self, *, linger: bool = False) -> None:
         """Close, possibly from another task than the one waiting to read or write.
 
         The descriptor's readiness callbacks are removed *before* the socket is closed and
         its number freed: otherwise a wait still registered under that number would later
         remove the callbacks of whichever new connection the kernel gave the same number
         (that connection would then never be read). Waiters wake and see ``closed``.
+
+        ``linger``: while the peer has not read everything sent, keep the socket itself
+        open, shut down both ways (``lingering``), for ``release`` to close later. What the
+        daemon sent stays queued at the peer however this end is closed, descriptors
+        included, and charged to the daemon's user by the kernel until the peer reads it or
+        closes its own end; only an open socket can tell when that happened (``unread``).
         """
-        if not self.closed:
-            self.closed = True
-            with contextlib.suppress(RuntimeError):  # no running loop: nothing registered
-                loop = asyncio.get_running_loop()
-                loop.remove_reader(self._fd)
-                loop.remove_writer(self._fd)
-            for future in self._waiting:
-                if not future.done():
-                    future.set_result(None)
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing registered
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self._fd)
+            loop.remove_writer(self._fd)
+        for future in self._waiting:
+            if not future.done():
+                future.set_result(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        if linger and self.unread() > 0:
+            self.lingering = True
+        else:
             self.sock.close()
+
+    def release(self) -> None:
+        """Close the socket itself (after ``close``, of one that lingered)."""
+        self.lingering = False
+        self.sock.close()
 
 
 def close_fds(fds: Sequence[int]) -> None:

@@ -212,7 +212,7 @@ import concurrent.futures.thread, concurrent.futures.process, asyncio.unix_event
 import asyncio.selector_events, selectors, multiprocessing, encodings.idna, ctypes.util
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: keep the permitted set across setuid
-os.setgroups([]); os.setgid({gid}); os.setuid({uid})
+{nofile}os.setgroups([]); os.setgid({gid}); os.setuid({uid})
 class Header(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 class Data(ctypes.Structure):
@@ -227,10 +227,16 @@ CAP_SETUID_SETGID = (1 << 6) | (1 << 7)
 
 
 def start_daemon_as(
-    user: User, where: Path, *flags: str, caps: int = CAP_SETUID_SETGID, env: dict | None = None
+    user: User,
+    where: Path,
+    *flags: str,
+    caps: int = CAP_SETUID_SETGID,
+    env: dict | None = None,
+    nofile: int | None = None,
 ):
     """shmstaged as ``user`` holding only ``caps`` (the packaged unit's CAP_SETUID and
-    CAP_SETGID by default), serving ``where/shmstaged.sock``; a harness RunningDaemon."""
+    CAP_SETGID by default), serving ``where/shmstaged.sock``; a harness RunningDaemon.
+    ``nofile``: its RLIMIT_NOFILE, soft and hard (as a unit's LimitNOFILE= would set it)."""
     from harness import STARTED, RunningDaemon
 
     where.mkdir(parents=True, exist_ok=True)
@@ -239,7 +245,10 @@ def start_daemon_as(
     sock = where / "shmstaged.sock"
     log_path = where.parent / f"{where.name}.log"
     argv = ["--socket", str(sock), "--log-level", "debug", *flags]
-    code = DAEMON_AS.format(uid=user.uid, gid=user.gid, caps=caps, argv=argv)
+    limit = f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile}, {nofile}))\n"
+    code = DAEMON_AS.format(
+        uid=user.uid, gid=user.gid, caps=caps, argv=argv, nofile=limit if nofile else ""
+    )
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=_env(env)
