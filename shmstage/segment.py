@@ -9,6 +9,7 @@ is reserved with ``posix_fallocate``: ``ftruncate`` on tmpfs reserves nothing an
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -240,6 +241,66 @@ class Region:
 def unlink(name: str) -> bool:
     """Remove a segment's name; memory is freed once the last mapping goes."""
     return _unlink_quietly(name)
+
+
+def give_back(name: str) -> bool:
+    """Free a segment's memory now, then remove its name.
+
+    Unlinking alone frees nothing while a process maps the segment or holds a descriptor
+    on it: a client that kept its descriptors after releasing its layout would hold the
+    memory, charged to nobody, as long as it likes. Truncating to 0 frees the pages
+    whoever holds them; a process still mapping it then faults (SIGBUS) if it touches
+    them, so only segments nobody may use any more are given back this way.
+    """
+    try:
+        shm = posix_ipc.SharedMemory(name, 0)
+    except (posix_ipc.ExistentialError, OSError):
+        return _unlink_quietly(name)  # out of descriptors: at least the name goes
+    try:
+        os.ftruncate(shm.fd, 0)
+    except OSError:
+        pass
+    finally:
+        shm.close_fd()
+    return _unlink_quietly(name)
+
+
+#: Pages past a segment's size are counted only beyond this (a huge page may back the end
+#: of a segment where tmpfs uses them).
+_HUGE_PAGE: Final = 2 << 20
+
+
+def fix_size(ref: SegmentRef, *, grow: bool = True) -> tuple[int, int] | None:
+    """Put back a segment a descriptor's holder resized, to the size shmstaged made it.
+
+    Any holder of a writable descriptor can ftruncate it: larger (memory nobody is charged
+    for, also allocated past the end without changing the size: fallocate KEEP_SIZE) or
+    smaller (a reader mapping it would fault past the new end). Truncating to the size
+    frees every page past it; a shrunk one is grown back (zeros) and reserved again —
+    unless not ``grow``: a segment a job is reading must stay short, for the job to fail
+    rather than write zeros. Returns the (size, bytes allocated) it found when it acted,
+    else None (also for a segment that is gone). A stat by name first: no descriptor.
+    """
+    try:
+        st = os.stat(SHM_DIR + ref.name, follow_symlinks=False)
+    except OSError:
+        return None
+    allocated = st.st_blocks * 512
+    if st.st_size == ref.size and allocated <= -(-ref.size // _HUGE_PAGE) * _HUGE_PAGE:
+        return None
+    if st.st_size < ref.size and not grow:
+        return None
+    try:
+        shm = posix_ipc.SharedMemory(ref.name, 0)
+    except (posix_ipc.ExistentialError, OSError):
+        return None
+    try:
+        os.ftruncate(shm.fd, ref.size)
+        with contextlib.suppress(OSError):  # a full /dev/shm: the size is what matters
+            os.posix_fallocate(shm.fd, 0, ref.size)
+    finally:
+        shm.close_fd()
+    return st.st_size, allocated
 
 
 def _unlink_quietly(name: str) -> bool:

@@ -465,6 +465,7 @@ class Stager:
         """
         if self._layout is not None:
             old, self._layout = self._layout, None
+            old.retire()  # before the release frees its pages
             self._connection.call("release", {"layout": old.id}, timeout=self.request_timeout)
             old.settle(self.request_timeout)
             old.close()

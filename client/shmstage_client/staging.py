@@ -248,6 +248,13 @@ class MappedLayout:
         if growth is not None:
             concurrent.futures.wait([growth], timeout)
 
+    def retire(self) -> None:
+        """Map and fault in nothing more (waiting for what is under way): the layout is
+        about to be released, and the daemon frees a released layout's pages at once, so
+        a slot still being faulted in would fault. ``close`` follows."""
+        with self._lock:
+            self._closed = True
+
     def close(self) -> None:
         """Unpin, then unmap. Views handed out earlier must be gone: they would fault."""
         with self._lock:

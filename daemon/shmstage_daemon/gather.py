@@ -70,6 +70,23 @@ MIN_MEAN_TENSOR_BYTES: Final = 512 << 10
 FD_RETRY_S: Final = 120.0
 
 
+class SegmentResized(Exception):
+    """A staged segment is not the size shmstaged made it: a process holding a writable
+    descriptor on it (its trainer) truncated or grew it. The job reading it fails; no
+    other job, and not the daemon, is concerned."""
+
+    def __init__(self, ref: SegmentRef, found: int) -> None:
+        super().__init__(f"segment {ref.name} is {found} bytes, not {ref.size}")
+        self.ref = ref
+        self.found = found
+
+
+def _check_size(fd: int, ref: SegmentRef) -> None:
+    found = os.fstat(fd).st_size
+    if found != ref.size:
+        raise SegmentResized(ref, found)
+
+
 def open_segment(ref: SegmentRef) -> int:
     """A read descriptor on a staged segment, waiting out a shortage of descriptors.
 
@@ -129,6 +146,7 @@ class Gatherer:
         if self._open is None or self._open[0] is not ref:
             self.close()
             self._open = (ref, open_segment(ref))
+            _check_size(self._open[1], ref)
         fd = self._open[1]
         checksums: list[int] = []
         chunk: Chunk | None = None
@@ -208,8 +226,8 @@ def _read_exactly(fd: int, target: memoryview, offset: int, ref: SegmentRef) -> 
     done = 0
     while done < len(target):
         got = os.preadv(fd, [target[done:]], offset + done)
-        if got == 0:
-            raise OSError(errno.EIO, f"segment {ref.name} ended after {offset + done} bytes")
+        if got == 0:  # truncated since it was opened
+            raise SegmentResized(ref, os.fstat(fd).st_size)
         done += got
 
 

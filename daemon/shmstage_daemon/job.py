@@ -297,6 +297,8 @@ def _run(job: PersistJob) -> JobResult:
         return _interrupted(job, step, started)
     except JobFailed as exc:
         code, message = exc.code, exc.message
+    except gather.SegmentResized as exc:
+        code, message = ErrorCode.BAD_REQUEST, _resized_message(job, exc)
     except OSError as exc:
         code, message = ErrorCode.STORAGE, _storage_message(dest, step.now, exc)
     except Exception as exc:  # a bug must fail this job, not the writer thread pool
@@ -328,6 +330,16 @@ class Step:
 
     def __init__(self, now: str) -> None:
         self.now = now
+
+
+def _resized_message(job: PersistJob, exc: gather.SegmentResized) -> str:
+    index = next((i for i, ref in enumerate(job.segments) if ref == exc.ref), -1)
+    return (
+        f"staged segment {index + 1} of {len(job.segments)} of job {job.id} ({exc.ref.name}) "
+        f"was resized by a process holding its descriptor (expected {exc.ref.size} bytes, "
+        f"found {exc.found}); this checkpoint is not written — a staged segment keeps the "
+        "size shmstaged made it: never ftruncate one"
+    )
 
 
 def _storage_message(dest: Destination, step: str, exc: OSError) -> str:

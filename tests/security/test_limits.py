@@ -287,3 +287,105 @@ def test_a_fifo_planted_under_a_journaled_name_does_not_block_recovery(
         successor.proc.kill()
         successor.proc.wait(10)
     assert os.path.exists(arena)
+
+
+#: A raw client of the daemon that keeps the segments' descriptors it is sent (the client
+#: library maps and closes them), writable, as any client may.
+KEEPING = """
+        from shmstage_client.connection import DaemonConnection  # (Stager's plumbing)
+        from shmstage_client.destination import open_target
+        conn = DaemonConnection("{sock}")
+        def register(tensors):
+            handle = conn.start("register", {{"tensors": tensors, "slots": 1, "max_fds": 64}})
+            reply = handle.next(30)
+            fds = []
+            while len(fds) < reply.body["segments"]:
+                fds += handle.next(30).fds
+            handle.finish()
+            return reply.body["layout"], fds
+        def sizes(fds):
+            return [(os.fstat(fd).st_size, os.fstat(fd).st_blocks * 512) for fd in fds]
+"""
+
+
+def test_a_released_layouts_memory_is_freed_though_its_client_kept_the_descriptors(
+    shared_daemon, attacker: User
+) -> None:
+    """Unlinking alone frees nothing while descriptors remain: the daemon truncates the
+    segments it gives back, so 32 MiB stays charged to nobody for no time at all."""
+    daemon = shared_daemon()
+    out = run_as(
+        attacker,
+        KEEPING.format(sock=daemon.socket)
+        + """
+        layout, fds = register([["w", "F32", [8 << 20], None]])
+        say("HELD", sizes(fds))
+        conn.call("release", {"layout": layout}, timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(blocks for _, blocks in sizes(fds)):
+            time.sleep(0.05)
+        say("KEPT", sizes(fds))
+        """,
+    )
+    assert f"HELD [({32 << 20}, {32 << 20})]" in out, out
+    assert "KEPT [(0, 0)]" in out, out
+
+
+def test_a_segment_its_client_truncates_fails_only_that_checkpoint_with_a_clear_error(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    """The attacker commits a slot and truncates one of its segments before the write
+    starts: that job fails saying so (not "an I/O error of the storage device"); the
+    daemon and the victim's saves carry on."""
+    daemon = shared_daemon()
+    out = run_as(
+        attacker,
+        KEEPING.format(sock=daemon.socket)
+        + f"""
+        layout, fds = register([["w", "F32", [1024], None]])
+        os.pwrite(fds[0], b"\\x01" * 4096, 0)
+        slot = conn.call("acquire", {{"layout": layout, "wait": False, "timeout": None}},
+                         timeout=30).body["slot"]
+        target = open_target("{arena}/{attacker.name}/cut", "model.safetensors")
+        body = {{"layout": layout, "slot": slot, "data_file": "model.safetensors",
+                "file_metadata": {{}}, "metadata": {{}}, "tree": {{"T": "w"}},
+                "ready": False, **target.wire()}}
+        job = conn.call("commit", body, target.fds(), timeout=30).body["job"]
+        os.ftruncate(fds[0], 100)  # while the job waits for "ready": its slot is persisting
+        conn.call("ready", {{"layout": layout, "slot": slot, "job": job}}, timeout=30)
+        done = conn.job_future(job).result(60)
+        say("DONE", done["ok"], done["result"]["code"], done["result"]["message"])
+        """,
+    )
+    assert "DONE False bad_request" in out, out
+    assert "was resized by a process holding its descriptor (expected 4096 bytes, found 100)" in (
+        out
+    )
+    assert "I/O error" not in out
+    assert "SAVED" in save_as(victim, daemon.socket, arena / victim.name / "c")
+    assert "internal" not in daemon.log()
+
+
+def test_a_segment_its_client_grows_is_put_back_to_its_size(
+    shared_daemon, attacker: User
+) -> None:
+    """A writable descriptor can grow its segment and fill the growth: memory no limit
+    counts. The daemon's periodic check truncates it back to the size it made."""
+    daemon = shared_daemon()
+    out = run_as(
+        attacker,
+        KEEPING.format(sock=daemon.socket)
+        + """
+        layout, fds = register([["w", "F32", [1024], None]])
+        os.ftruncate(fds[0], 64 << 20)
+        os.posix_fallocate(fds[0], 0, 64 << 20)
+        say("GROWN", sizes(fds))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sizes(fds)[0][0] != 4096:
+            time.sleep(0.1)
+        say("NOW", sizes(fds))
+        """,
+    )
+    assert f"GROWN [({64 << 20}, {64 << 20})]" in out, out
+    assert "NOW [(4096, 4096)]" in out, out
+    assert "was resized by a process holding its descriptor" in daemon.log()
