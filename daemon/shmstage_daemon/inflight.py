@@ -78,10 +78,6 @@ class InFlight:
         """Descriptors this user's peers may not have read yet."""
         return self._users.get(uid, 0)
 
-    @property
-    def lingering(self) -> int:
-        return len(self._lingering)
-
     async def take(self, transport: Transport, uid: int, wanted: int) -> int:
         """Charge the next batch of up to ``wanted`` descriptors on ``transport`` to ``uid``:
         returns how many may go out now (at least one), waiting up to ``ROOM_WAIT_S`` for
