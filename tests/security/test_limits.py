@@ -381,7 +381,7 @@ def test_a_segment_its_client_grows_is_put_back_to_its_size(
         os.posix_fallocate(fds[0], 0, 64 << 20)
         say("GROWN", sizes(fds))
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sizes(fds)[0][0] != 4096:
+        while time.monotonic() < deadline and sizes(fds)[0] != (4096, 4096):
             time.sleep(0.1)
         say("NOW", sizes(fds))
         """,
