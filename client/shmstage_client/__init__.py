@@ -29,8 +29,7 @@ from shmstage_client.errors import (
 )
 from shmstage_client.guard import Guard
 from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
-from shmstage_client.loading import load
-from shmstage_client.restoring import Restored, latest, prepare_restore, restore
+from shmstage_client.restore.restoring import Restored, latest, load, prepare_restore, restore
 from shmstage_client.staged import Staged
 from shmstage_client.stager import Stager
 

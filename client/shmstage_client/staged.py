@@ -21,7 +21,7 @@ from shmstage_client.connection import RequestHandle
 from shmstage_client.destination import Fields, Target, open_target
 from shmstage_client.errors import SaveError
 from shmstage_client.handle import Clock, SaveHandle, SaveTimings, TimingViews
-from shmstage_client.prepared import check_fits
+from shmstage_client.statedict import check_fits
 
 if TYPE_CHECKING:
     from shmstage_client.handover import Landing

@@ -49,9 +49,9 @@ from shmstage_client.guard import Coverage, Guard
 from shmstage_client.handle import Clock, ProgressCallback, SaveHandle, SaveTimings, Tracker
 from shmstage_client.handover import FollowUp, Handover, Landing
 from shmstage_client.pending import PendingCopy
-from shmstage_client.prepared import Prepared, check_fits
 from shmstage_client.staged import Destination, Staged
 from shmstage_client.staging import CopyEngine, MappedLayout, device_groups
+from shmstage_client.statedict import Flattened, check_fits
 
 log = logging.getLogger("shmstage.client")
 
@@ -226,7 +226,7 @@ class Stager:
         clock = Clock()
         with collection_paused():
             self._await_landing(clock)
-            prepared = Prepared.of(state_dict, offsets)
+            prepared = Flattened.of(state_dict, offsets)
             prepared.check(self._layout.signature if self._layout is not None else None)
             fields = Fields.check(self.data_file, None, metadata)
             check_fits(prepared.encoded, prepared.packed_tree, fields.packed_metadata)
@@ -273,7 +273,7 @@ class Stager:
         clock = Clock()
         with collection_paused():
             self._await_landing(clock)
-            prepared = Prepared.of(state_dict, offsets)
+            prepared = Flattened.of(state_dict, offsets)
             clock.lap("prepare")
             staged = self._claim(prepared, clock)
             pending = self._copy(staged, prepared, None, block)
@@ -304,7 +304,7 @@ class Stager:
         self._in_flight = None
         clock.lap("copy_wait")
 
-    def _claim(self, prepared: Prepared, clock: Clock) -> Staged:
+    def _claim(self, prepared: Flattened, clock: Clock) -> Staged:
         """Reuse or register the layout and take a slot: the stall before the copy."""
         mapped = self._mapped(prepared)
         clock.lap("setup")
@@ -315,7 +315,7 @@ class Stager:
         return Staged(self, mapped, slot, prepared.encoded, prepared.packed_tree)
 
     def _copy(
-        self, staged: Staged, prepared: Prepared, early: RequestHandle | None, block: bool
+        self, staged: Staged, prepared: Flattened, early: RequestHandle | None, block: bool
     ) -> PendingCopy | None:
         """Copy into the staged slot — the guarded tensors of a non-blocking save only
         started (returned) — and on failure hand it back, with the commit sent ahead of the
@@ -433,7 +433,7 @@ class Stager:
         """Whether the current layout's slots used so far are registered with CUDA."""
         return self._layout is not None and bool(self._layout.pinned)
 
-    def _mapped(self, prepared: Prepared) -> MappedLayout:
+    def _mapped(self, prepared: Flattened) -> MappedLayout:
         """Reuse the registered layout when the structure is identical, else replace it.
 
         The steady-state check compares the tensors' own properties with those the layout

@@ -3,7 +3,7 @@
 A restore from memory reads a slot's segments (retained by the daemon: their pages exist)
 through read-only descriptors — or, where the process cannot hold that many, a read-only
 mapping — into pinned staging buffers and on to the device, verifying every tensor's
-CRC-32C (``reading.transfer``). This times both against the raw pinned host-to-device copy
+CRC-32C (``transfer.transfer``). This times both against the raw pinned host-to-device copy
 of the same bytes, measured in the same run, on a synthetic layout held in real POSIX
 segments (each run opens or maps them afresh, as a restarted process does), with the
 thread count and verification varied around the defaults.
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import crc32c
 import torch
-from shmstage_client import reading
+from shmstage_client.restore import host_staging, sources, transfer
 
 from shmstage import instance, segment
 from shmstage.units import format_size, parse_size
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         created = time.perf_counter() - started
         print(f"{format_size(total)} in {len(sizes)} segments (created in {created:.2f} s)")
         placements = [
-            reading.Placement(f"t{i}", torch.uint8, (sizes[i],), offset, sizes[i], crcs[i])
+            transfer.Placement(f"t{i}", torch.uint8, (sizes[i],), offset, sizes[i], crcs[i])
             for i, offset in enumerate(offsets)
         ]
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 begun = time.perf_counter()
                 fds = [segment.open_fd(ref, writable=False) for ref in refs]
                 try:
-                    source = reading.SegmentSource(fds, offsets, sizes, "bench")
-                    reading.transfer(source, placements, device, verify=verify, threads=threads)
+                    source = sources.SegmentSource(fds, offsets, sizes, "bench")
+                    transfer.transfer(source, placements, device, verify=verify, threads=threads)
                     torch.cuda.synchronize()
                     return time.perf_counter() - begun
                 finally:
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 begun = time.perf_counter()
                 region = mapped(refs, sizes, writable=False)
                 try:
-                    source = reading.MappedSource(region.address, region.size, "bench")
-                    reading.transfer(source, placements, device, verify=verify, threads=threads)
+                    source = sources.MappedSource(region.address, region.size, "bench")
+                    transfer.transfer(source, placements, device, verify=verify, threads=threads)
                     torch.cuda.synchronize()
                     return time.perf_counter() - begun
                 finally:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run
 
-        default = reading.MAX_THREADS
+        default = host_staging.MAX_THREADS
         variants: dict[str, Callable[[], float]] = {
             "raw pinned H2D (limit)": lambda: h2d(total, device),
             f"descriptors, {default} threads (default)": through_fds(default),

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from harness import assert_same
-from shmstage_client import SaveTimeout, Stager, cudart, device_checksums, load, reading
+from shmstage_client import SaveTimeout, Stager, cudart, load
 from shmstage_client.pinning import PinError, try_pin
+from shmstage_client.restore import device_checks, host_staging, transfer
 
 from shmstage import segment
 
@@ -299,10 +300,10 @@ def test_pieces_of_a_chunk_are_checked_as_one_and_a_corrupt_byte_in_any_is_caugh
     to the files. With ``copies="torch"`` the copies go through ``Tensor.copy_``, as where
     torch links its CUDA runtime statically — which cannot be had here, so loading the
     runtime is made to fail (a stand-in for that reason only)."""
-    monkeypatch.setattr(reading, "CHUNK", 1 << 20)
-    monkeypatch.setattr(reading, "PIECE", 256 << 10)  # four pieces per chunk
-    monkeypatch.setattr(reading, "DEVICE_CHECKSUMS", False)
-    reading._SPARES.free()
+    monkeypatch.setattr(host_staging, "CHUNK", 1 << 20)
+    monkeypatch.setattr(host_staging, "PIECE", 256 << 10)  # four pieces per chunk
+    monkeypatch.setattr(transfer, "DEVICE_CHECKSUMS", False)
+    host_staging._SPARES.free()
     if copies == "torch":
 
         def static() -> cudart.Runtime:
@@ -334,17 +335,17 @@ def test_a_restore_to_the_gpu_is_checked_on_the_device_and_a_corrupt_byte_is_cau
     a large tensor, or in its last block, sends the restore to the files, which hold the
     right bytes."""
     checked: list[int] = []
-    finish = device_checksums.DeviceChecksums.finish
+    finish = device_checks.DeviceChecksums.finish
 
-    def counting(self: device_checksums.DeviceChecksums) -> list[int]:
+    def counting(self: device_checks.DeviceChecksums) -> list[int]:
         values = finish(self)
         checked.append(len(values))
         return values
 
-    monkeypatch.setattr(device_checksums.DeviceChecksums, "finish", counting)
-    monkeypatch.setattr(reading, "CHUNK", 1 << 20)  # many chunks, checked as they land
-    monkeypatch.setattr(reading, "DEVICE_CHECKSUMS", True)  # SHMSTAGE_DEVICE_CHECKSUMS=1
-    device_checksums.warm_up(torch.device("cuda"))  # as from a process's third restore
+    monkeypatch.setattr(device_checks.DeviceChecksums, "finish", counting)
+    monkeypatch.setattr(host_staging, "CHUNK", 1 << 20)  # many chunks, checked as they land
+    monkeypatch.setattr(transfer, "DEVICE_CHECKSUMS", True)  # SHMSTAGE_DEVICE_CHECKSUMS=1
+    device_checks.warm_up(torch.device("cuda"))  # as from a process's third restore
     checked.clear()
     gen = torch.Generator(device="cuda").manual_seed(3)
     state = {
@@ -372,20 +373,20 @@ def test_a_process_checks_on_the_host_until_its_second_restore_warms_the_device_
     """Loading the checks' kernels costs a new process more than host checks do, so a
     restarted trainer's one restore checks on the host; after a second restore the
     kernels load in the background and later restores check on the device."""
-    monkeypatch.setattr(reading, "DEVICE_CHECKSUMS", True)  # SHMSTAGE_DEVICE_CHECKSUMS=1
-    monkeypatch.setattr(reading, "_HOST_CHECKED", {})
-    monkeypatch.setattr(device_checksums, "_WARM", set())
-    monkeypatch.setattr(device_checksums, "_WARMING", set())
+    monkeypatch.setattr(transfer, "DEVICE_CHECKSUMS", True)  # SHMSTAGE_DEVICE_CHECKSUMS=1
+    monkeypatch.setattr(transfer, "_HOST_CHECKED", {})
+    monkeypatch.setattr(device_checks, "_WARM", set())
+    monkeypatch.setattr(device_checks, "_WARMING", set())
     on_device: list[bool] = []
-    run = reading._Transfer.run
+    run = transfer._Transfer.run
 
-    def noting(self: reading._Transfer) -> dict[str, torch.Tensor]:
+    def noting(self: transfer._Transfer) -> dict[str, torch.Tensor]:
         try:
             return run(self)
         finally:
             on_device.append(self._checks is not None)
 
-    monkeypatch.setattr(reading._Transfer, "run", noting)
+    monkeypatch.setattr(transfer._Transfer, "run", noting)
     state = _gpu_state()
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "c").wait(120)
@@ -393,7 +394,7 @@ def test_a_process_checks_on_the_host_until_its_second_restore_warms_the_device_
             assert_same(load(ckpt / "c", device="cuda", socket=daemon.socket), state)
         assert on_device == [False, False]
         deadline = time.monotonic() + 60
-        while not device_checksums.ready(torch.device("cuda")):
+        while not device_checks.ready(torch.device("cuda")):
             assert time.monotonic() < deadline, "the device's checks never warmed up"
             time.sleep(0.05)
         restored = load(ckpt / "c", device="cuda", with_info=True, socket=daemon.socket)
@@ -413,15 +414,15 @@ def test_back_to_back_restores_reuse_their_staging_and_free_it_when_idle(
     them after a while unused, unregistering each before unmapping it (registering a
     range that was unmapped while registered fails with error 712); where registering is
     refused, torch's pinned memory serves."""
-    monkeypatch.setattr(reading, "CHUNK", 1 << 20)  # many small buffers
-    monkeypatch.setattr(reading, "KEEP_STAGING_S", 0.5)
-    reading._SPARES.free()
+    monkeypatch.setattr(host_staging, "CHUNK", 1 << 20)  # many small buffers
+    monkeypatch.setattr(host_staging, "KEEP_STAGING_S", 0.5)
+    host_staging._SPARES.free()
     if not registered:
 
         def refuse(*args: object) -> None:
             raise PinError("refused by the test")
 
-        monkeypatch.setattr(reading, "register_range", refuse)
+        monkeypatch.setattr(host_staging, "register_range", refuse)
     state = _gpu_state()
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "c").wait(120)
@@ -431,9 +432,9 @@ def test_back_to_back_restores_reuse_their_staging_and_free_it_when_idle(
                 restored = load(ckpt / "c", device="cuda", with_info=True, socket=daemon.socket)
                 assert restored.source == "memory"
                 assert_same(restored.state, state)
-            assert reading._SPARES._buffers  # kept for the next restore
+            assert host_staging._SPARES._buffers  # kept for the next restore
             time.sleep(1.5)
-            assert reading._SPARES._buffers == []
+            assert host_staging._SPARES._buffers == []
             # the freed addresses are mapped again and registered anew
             assert_same(load(ckpt / "c", device="cuda", socket=daemon.socket), state)
     assert torch.ones(1, device="cuda").item() == 1.0
@@ -441,13 +442,14 @@ def test_back_to_back_restores_reuse_their_staging_and_free_it_when_idle(
 
 _PREPARED_RESTART = """
 import sys, threading, torch
-from shmstage_client import latest, prepare_restore, reading
+from shmstage_client import latest, prepare_restore
+from shmstage_client.restore import host_staging
 made = []
-class Counted(reading._HostBuffer):
+class Counted(host_staging._HostBuffer):
     def __init__(self, *args, **kwargs):
         made.append(threading.current_thread().name)
         super().__init__(*args, **kwargs)
-reading._HostBuffer = Counted
+host_staging._HostBuffer = Counted
 torch.cuda.init()
 prepare_restore("cuda")
 model = torch.zeros(1 << 20, device="cuda")  # the start-up the staging is made beside

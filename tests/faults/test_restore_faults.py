@@ -406,7 +406,7 @@ def test_a_lease_that_ends_mid_restore_falls_back_to_the_files(
     bytes it copied may be torn, so the files are read instead — never the internal
     NotInMemory. The kill, the stop and the expiry are real; only their moment is chosen,
     by a hook at the start of the copy out of memory."""
-    from shmstage_client import restoring
+    from shmstage_client.restore import restoring
 
     config = tmp_path / "lease.toml"
     config.write_text("[retention]\nlease_seconds = 1\nmax_lease_seconds = 1\n")

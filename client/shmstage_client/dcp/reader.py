@@ -40,12 +40,13 @@ from torch.futures import Future
 
 from shmstage.checkpoint import Checkpoint, CheckpointError, ChecksumError
 from shmstage.checksums import checksums
-from shmstage_client import restoring
 from shmstage_client.connection import DaemonConnection
 from shmstage_client.dcp import directory
 from shmstage_client.dtypes import FROM_SAFETENSORS
-from shmstage_client.loading import CheckpointFiles
-from shmstage_client.reading import MappedSource, Placement
+from shmstage_client.restore import restoring
+from shmstage_client.restore.files import CheckpointFiles
+from shmstage_client.restore.sources import MappedSource
+from shmstage_client.restore.transfer import Placement
 
 log = logging.getLogger("shmstage.client")
 

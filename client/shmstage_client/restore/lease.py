@@ -3,7 +3,7 @@
 The daemon answers a ``lease`` (this exact checkpoint: its data file's descriptor and its
 manifest's digest) or a ``latest`` (this user's newest) with the slot's segments as
 read-only descriptors. A reader that copies everything (``restore``) keeps the
-descriptors and reads through them (``reading.SegmentSource``) when this process can hold
+descriptors and reads through them (``sources.SegmentSource``) when this process can hold
 that many; otherwise, and for readers that want views (DCP), they are mapped ``PROT_READ``
 back to back in one address range (``segment.Region``) and closed at once — batch by
 batch, so that a process with a short descriptor table (``ulimit -n 40``) still restores
@@ -27,7 +27,7 @@ from shmstage.protocol import MAX_FDS_PER_FRAME
 from shmstage_client import connection as _connection
 from shmstage_client.connection import DaemonConnection, receivable_fds, room_for_fds
 from shmstage_client.errors import DaemonLost, SaveError
-from shmstage_client.reading import MappedSource, SegmentSource, Source
+from shmstage_client.restore.sources import MappedSource, SegmentSource, Source
 
 #: Seconds to wait for the daemon's answers (it maps nothing; this bounds a hung daemon).
 REQUEST_TIMEOUT: Final = 30.0
@@ -147,7 +147,7 @@ class MemoryLease:
         return self.region.address
 
     def source(self, where: str) -> Source:
-        """The leased bytes, for ``reading.transfer``, at ``offsets()``."""
+        """The leased bytes, for ``transfer``, at ``offsets()``."""
         if self.fds is not None:
             return SegmentSource(self.fds, self.region.offsets, self.region.sizes, where)
         return MappedSource(self.region.address, self.region.size, where)

@@ -45,13 +45,14 @@ from shmstage.checkpoint import CheckpointError
 from shmstage.layout import Layout, LayoutError
 from shmstage.manifest import digest
 from shmstage.packing import Packing
-from shmstage_client import reading
 from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection, expect_fds
 from shmstage_client.errors import DaemonRefused, SaveError
-from shmstage_client.lease import LeaseBroken, MemoryLease
-from shmstage_client.loading import CheckpointFiles, torch_dtype, unflatten
-from shmstage_client.reading import Placement, transfer
+from shmstage_client.restore import host_staging
+from shmstage_client.restore.files import CheckpointFiles, torch_dtype, unflatten
+from shmstage_client.restore.lease import LeaseBroken, MemoryLease
+from shmstage_client.restore.transfer import Placement, transfer
+from shmstage_client.statedict import Flattened
 
 log = logging.getLogger("shmstage.client")
 
@@ -126,7 +127,7 @@ def restore(
     reason = "source='files'"
     try:
         with CheckpointFiles(path) as files:
-            reading.prepare(device, sum(files.manifest.files.values()))
+            host_staging.prepare(device, sum(files.manifest.files.values()))
             if source != "files":
                 try:
                     connection = connect(socket)
@@ -162,6 +163,29 @@ def restore(
             connection.close()
 
 
+def load(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    *,
+    verify: bool = True,
+    source: str = "auto",
+    with_info: bool = False,
+    socket: str | os.PathLike[str] | None = None,
+) -> Any:
+    """The state dict saved at ``path``, bit-exact, with tensors on ``device``.
+
+    ``source``: "auto" (the daemon's memory when it holds exactly this checkpoint, else
+    the files, silently), "memory" (only memory: CheckpointError saying why not) or
+    "files". ``verify=False`` skips the checksums (for those who trust their storage and
+    daemon). ``with_info=True`` returns a ``Restored`` (``.state``, ``.source``,
+    ``.seconds``, ``.path``, ...) instead of the bare state dict. ``socket``: the daemon's,
+    when not the default.
+    """
+    restored: Restored = restore(path, device, verify=verify, source=source, socket=socket)
+    return restored if with_info else restored.state
+
+
+
 @collection_paused()
 def latest(
     device: str | torch.device = "cpu",
@@ -190,7 +214,7 @@ def latest(
     started = time.perf_counter()
     connection: DaemonConnection | None = None
     reason, named = "source='files'", None
-    reading.prepare(device)
+    host_staging.prepare(device)
     try:
         if source != "files":
             try:
@@ -206,7 +230,7 @@ def latest(
         try:
             files = _callers_files(named, under, reason)
         except CheckpointError:
-            reading.release_staging()  # nothing to restore: a fresh start needs no staging
+            host_staging.release()  # nothing to restore: a fresh start needs no staging
             raise
         with files:
             tensors, nbytes = files.read(device, verify=verify)
@@ -249,7 +273,7 @@ def prepare_restore(device: str | torch.device = "cuda", *, keep: float = PREPAR
     threading.Thread(
         target=expect_fds, args=(LEASE_SEGMENTS,), name="shmstage-descriptors", daemon=True
     ).start()
-    reading.prepare(device, keep=keep)
+    host_staging.prepare(device, keep=keep)
 
 
 def check_source(source: str) -> None:
@@ -576,6 +600,4 @@ def _open_callers(path: Path, expected: str = "") -> tuple[CheckpointFiles | Non
 
 def _structure(like: Any) -> str:
     """The digest of a state dict's layout, as the daemon computes it for a registration."""
-    from shmstage_client.prepared import Prepared
-
-    return Prepared.of(like, None).layout().digest()
+    return Flattened.of(like, None).layout().digest()

@@ -1,13 +1,12 @@
 """Restoring: from the daemon's memory when it holds exactly the checkpoint, else the files.
 
-Real daemons, real checkpoints, real files changed under the daemon's feet; the transfer
-engine (``reading``) on real files and mappings, with chunks smaller than the tensors so
-that every checksum is combined from parts computed on several threads.
+Real daemons, real checkpoints, real files changed under the daemon's feet; ``load``,
+``restore``, ``latest`` and ``prepare_restore`` (``restore.restoring``), the lease on the
+daemon's memory (``restore.lease``) and the DCP reader's fallback per rank.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -28,14 +27,11 @@ from shmstage_client import (
     latest,
     load,
     prepare_restore,
-    reading,
     restore,
-    restoring,
 )
 from shmstage_client.dcp import ShmStageReader, ShmStageWriter
-from shmstage_client.reading import FileSource, MappedSource, Placement, transfer
+from shmstage_client.restore import restoring
 
-from shmstage import checksums
 from shmstage.manifest import MANIFEST_NAME
 
 
@@ -123,8 +119,6 @@ def test_restores_hold_off_the_garbage_collector_and_leave_it_as_the_caller_set_
     (see ``collection``); load() and latest() now run with the collector held off."""
     import gc
 
-    from shmstage_client import restoring
-
     seen: list[bool] = []
     original = restoring.transfer
 
@@ -153,7 +147,7 @@ def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free
     """A restore keeps the leased segments' descriptors and reads through them when the
     process has room for them; with a low RLIMIT_NOFILE it maps them instead. Either way
     the bytes are exact and no descriptor is left open."""
-    from shmstage_client import lease as lease_module
+    from shmstage_client.restore import lease as lease_module
 
     many = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(300)}
     kept: list[bool] = []
@@ -387,8 +381,6 @@ def test_the_dcp_reader_serves_a_rank_file_from_memory_and_falls_back_per_rank(
     assert_same(target, saved)
 
 
-# -- the transfer engine ----------------------------------------------------------------
-
 
 def _tensors(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
@@ -398,224 +390,6 @@ def _tensors(value: object) -> list[torch.Tensor]:
     if isinstance(value, list | tuple):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-def _packed(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[Placement]]:
-    """The tensors back to back, no padding (as in a data file), and where each is."""
-    import crc32c
-
-    blobs, placements, offset = [], [], 0
-    for key, tensor in tensors.items():
-        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        placements.append(
-            Placement(key, tensor.dtype, tuple(tensor.shape), offset, len(raw), crc32c.crc32c(raw))
-        )
-        blobs.append(raw)
-        offset += len(raw)
-    return b"".join(blobs), placements
-
-
-CASES = {
-    "flags": torch.tensor([True, False, True]),  # 3 bytes: the next tensors are unaligned
-    "w": torch.randn(5000, generator=torch.Generator().manual_seed(0)),
-    "empty": torch.zeros(0, 4, dtype=torch.float64),
-    "i": torch.arange(1000, dtype=torch.int64),
-    "c": torch.randn(77, dtype=torch.complex64),
-}
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_file_read_in_small_chunks_on_threads_is_bit_exact_and_verified(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, read_passes: str
-) -> None:
-    monkeypatch.setattr(reading, "CHUNK", 4096)  # tensors span chunks and threads
-    data, placements = _packed(CASES)
-    path = tmp_path / "data"
-    path.write_bytes(b"H" * 100 + data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        source = FileSource(fd, 100, len(data), str(path))
-        got = transfer(source, placements, torch.device("cpu"), threads=threads)
-        assert_same(got, CASES, key_order=False)
-        raw = bytearray(path.read_bytes())
-        raw[100 + placements[1].offset + 4097] ^= 0x10  # a byte in "w"'s second chunk
-        path.write_bytes(bytes(raw))
-        with pytest.raises(ChecksumError, match=r"tensor 'w' in .*data: checksum mismatch"):
-            transfer(source, placements, torch.device("cpu"), threads=threads)
-        unchecked = transfer(source, placements, torch.device("cpu"), verify=False)
-        assert not torch.equal(unchecked["w"], CASES["w"])
-    finally:
-        os.close(fd)
-
-
-def test_the_combining_a_check_needs_is_worked_out_while_the_readers_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Every length the end of a restore combines over was expected before (so the
-    arithmetic for it was done while the bytes were still coming)."""
-    monkeypatch.setattr(reading, "CHUNK", 4096)  # "w" spans 5 chunks, "i" 2 or 3
-    data, placements = _packed(CASES)
-    expected: set[int] = set()
-    combined: list[int] = []
-
-    def expect(lengths: set[int]) -> None:
-        expected.update(lengths)
-
-    def combine(crc_a: int, crc_b: int, len_b: int) -> int:
-        combined.append(len_b)
-        return checksums.combine(crc_a, crc_b, len_b)
-
-    monkeypatch.setattr(reading, "expect_combines", expect)
-    monkeypatch.setattr(reading, "combine", combine)
-    buffer = ctypes.create_string_buffer(data, len(data))
-    source = MappedSource(ctypes.addressof(buffer), len(data), "a test buffer")
-    got = transfer(source, placements, torch.device("cpu"), threads=3)
-    assert_same(got, CASES, key_order=False)
-    assert len(combined) >= 5 and set(combined) <= expected
-    assert 4096 in expected  # "w"'s whole chunks
-
-
-def test_mapped_bytes_copy_to_their_own_buffer_and_verify_in_chunks(
-    monkeypatch: pytest.MonkeyPatch, read_passes: str
-) -> None:
-    monkeypatch.setattr(reading, "CHUNK", 8192)
-    data, placements = _packed(CASES)
-    buffer = ctypes.create_string_buffer(data, len(data))
-    source = MappedSource(ctypes.addressof(buffer), len(data), "a test buffer")
-    got = transfer(source, placements, torch.device("cpu"), threads=2)
-    assert_same(got, CASES, key_order=False)
-    buffer[0] = b"\x00"  # the source changes afterwards: the result is a copy of its own
-    assert_same(got, CASES, key_order=False)
-    buffer[0] = data[:1]
-    buffer[placements[1].offset + 8193] = bytes([buffer[placements[1].offset + 8193][0] ^ 1])
-    with pytest.raises(ChecksumError, match=r"tensor 'w' in a test buffer: checksum mismatch"):
-        transfer(source, placements, torch.device("cpu"), threads=2)
-
-
-def test_mapped_bytes_are_read_into_a_staging_buffer_exactly() -> None:
-    """What a device restore does with each chunk of the daemon's mapped segments."""
-    mapped = ctypes.create_string_buffer(b"0123456789")
-    source = MappedSource(ctypes.addressof(mapped), 10, "b")
-    staging = bytearray(b"..........")
-    source.read_into(3, memoryview(staging)[2:6])
-    assert staging == b"..3456...."
-
-
-class _FakeStaging:
-    """Stands in for a staging buffer registered with CUDA, which a machine without a GPU
-    cannot make (a stand-in for that reason only): takes a while to make, like one."""
-
-    made = 0
-
-    def __init__(self, size: int, device: object = None, *, pin: bool = True) -> None:
-        time.sleep(0.05)
-        self.size, self.freed, self.pinned_with = size, False, [device] if pin else []
-        self.address = 0
-        type(self).made += 1
-
-    def pin(self, device: object = None) -> None:
-        if not self.pinned_with:
-            self.pinned_with.append(device)
-
-    def free(self) -> None:
-        self.freed = True
-
-
-def test_staging_made_ahead_is_taken_as_it_comes_and_never_made_twice(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A restore starts making its staging before it asks the daemon; its first reader
-    then waits for that rather than register more of its own, and a later restore of no
-    more bytes reuses it."""
-    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
-    monkeypatch.setattr(_FakeStaging, "made", 0)
-    spares = reading._Spares()
-    spares.prepare(1024)
-    spares.prepare(1024)  # one is coming already
-    taken = spares.take(1024)  # waits for the maker
-    assert taken is not None and _FakeStaging.made == 1
-    assert spares.take(1024) is None  # nothing more coming: the transfer makes its own
-    spares.keep(taken)
-    spares.prepare(512)  # a buffer that large is kept: none made
-    assert _FakeStaging.made == 1
-    assert spares.take(2048) is None  # too small for a larger restore
-    assert spares.take(512) is taken
-    spares.keep(taken)
-    spares.free()
-    assert taken.freed
-
-
-def test_at_most_two_spare_staging_buffers_are_kept_the_largest(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
-    spares = reading._Spares()
-    buffers = [_FakeStaging(size) for size in (1024, 4096, 2048)]
-    for buffer in buffers:
-        spares.keep(buffer)
-    deadline = time.monotonic() + 5
-    while not buffers[0].freed and time.monotonic() < deadline:
-        time.sleep(0.01)  # freed on a thread of its own
-    assert [b.freed for b in buffers] == [True, False, False]
-    assert spares.take(1) is buffers[2]  # the smallest that fits
-    spares.free()
-
-
-def test_a_maker_that_fails_wakes_the_reader_waiting_for_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def fail(size: int, *args: object, **kwargs: object) -> None:
-        time.sleep(0.05)
-        raise RuntimeError("CUDA error: out of memory")
-
-    monkeypatch.setattr(reading, "_HostBuffer", fail)
-    spares = reading._Spares()
-    spares.prepare(1024)
-    begun = time.monotonic()
-    assert spares.take(1024) is None  # the transfer then makes its own, and says so
-    assert time.monotonic() - begun < 1.0
-
-
-def test_staging_made_ahead_is_kept_as_long_as_asked_then_freed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """What ``prepare_restore`` asks for: a restart script's start-up can outlast the
-    minute a transfer's spare is kept, so its buffer waits for ``keep`` seconds instead."""
-    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
-    monkeypatch.setattr(reading, "KEEP_STAGING_S", 0.1)
-    spares = reading._Spares()
-    spares.prepare(1024, keep=1.0)
-    made = spares.take(1024)
-    assert made is not None
-    spares.keep(made)  # given back by a transfer: the usual (here 0.1 s) countdown
-    time.sleep(0.5)
-    assert made.freed
-    spares.prepare(1024, keep=1.0)
-    time.sleep(0.5)  # longer than KEEP_STAGING_S, shorter than keep
-    kept = spares.take(1024)
-    assert kept is not None and not kept.freed
-    spares.keep(kept)
-    spares.free()
-
-
-def test_staging_made_before_the_device_is_known_is_pinned_by_the_reader_that_takes_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On a node of several GPUs a bare "cuda" names no device before the process picks
-    one, so the buffer made ahead is only faulted in; the first reader, which runs with
-    the transfer's device current, registers it."""
-    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
-    monkeypatch.setattr(_FakeStaging, "made", 0)
-    monkeypatch.setattr(reading, "_SPARES", reading._Spares())
-    reading._SPARES.prepare(reading.PIECES * reading.PIECE * 2, None)
-    staging = reading._Staging(2)
-    staging.take()
-    staging.take()
-    buffer = staging._buffer
-    assert isinstance(buffer, _FakeStaging) and buffer.pinned_with == [None]
-    assert _FakeStaging.made == 1  # the one made ahead, taken
-    staging.close()
-    reading._SPARES.free()
 
 
 def test_prepare_restore_refuses_a_keep_that_is_not_seconds() -> None:
@@ -631,7 +405,8 @@ def test_prepare_restore_grows_a_new_processs_descriptor_table_for_a_lease() -> 
     script = (
         "import time\n"
         "from shmstage import descriptors\n"
-        "from shmstage_client import prepare_restore, restoring\n"
+        "from shmstage_client import prepare_restore\n"
+        "from shmstage_client.restore import restoring\n"
         "before, enough = descriptors.table_size(), restoring.LEASE_SEGMENTS\n"
         "prepare_restore('cpu')\n"
         "deadline = time.monotonic() + 10\n"
@@ -644,42 +419,3 @@ def test_prepare_restore_grows_a_new_processs_descriptor_table_for_a_lease() -> 
     )
     before, after = map(int, run.stdout.split())
     assert before < restoring.LEASE_SEGMENTS <= after
-
-
-def test_released_staging_is_freed_at_once_and_the_one_being_made_once_made(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A restart that finds nothing to restore gives back what ``prepare_restore`` made
-    (256 MiB pinned per rank) now, not after ``keep`` seconds."""
-    monkeypatch.setattr(reading, "_HostBuffer", _FakeStaging)
-    spares = reading._Spares()
-    spares.prepare(1024, keep=600)
-    made = spares.take(1024)
-    assert made is not None
-    spares.keep(made)
-    spares.prepare(4096, keep=600)  # larger: a second one is being made
-    spares.release()  # while it is
-    deadline = time.monotonic() + 5
-    while not made.freed and time.monotonic() < deadline:
-        time.sleep(0.01)  # freed on a thread of its own
-    assert made.freed
-    assert spares.take(4096) is None  # the one being made was not kept: freed once made
-    spares.prepare(1024, keep=600)  # after a release, a later prepare keeps its buffer
-    again = spares.take(1024)
-    assert again is not None and not again.freed
-    spares.keep(again)
-    spares.free()
-
-
-def test_latest_finding_nothing_to_restore_releases_the_staging(
-    daemon, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(reading, "_SPARES", reading._Spares())
-    prepared = _FakeStaging(1 << 20)  # what prepare_restore would have made on a GPU
-    reading._SPARES.keep(prepared)
-    with pytest.raises(CheckpointError, match="no checkpoint to restore"):
-        latest(socket=daemon.socket)
-    deadline = time.monotonic() + 5
-    while not prepared.freed and time.monotonic() < deadline:
-        time.sleep(0.01)  # freed on a thread of its own
-    assert prepared.freed

@@ -1,10 +1,14 @@
-"""``load``: read a checkpoint back into the nested state dict it was saved from.
+"""A checkpoint's files opened for reading: its manifest, and its data files' tensors.
 
-From the daemon's memory when it still holds exactly that checkpoint (``restore``), else
-from its files: each data file read in large parallel chunks, through pinned buffers and
-pipelined copies for a GPU (``reading``). Either way every tensor's bytes are checked
-against the CRC-32C recorded when they were written; a mismatch in the files raises and
-names the key and file rather than handing corrupt weights to a run.
+What ``load`` and ``restore`` read when the daemon's memory cannot serve (and what names a
+checkpoint to the daemon when it can: the manifest's digest and a data file's descriptor).
+The directory is opened once and every file relative to it, never following a symlink;
+each data file's header is held to the manifest by the core's own rules
+(``shmstage.checkpoint.locate``), the ones ``shmstage verify`` applies. Each data file is
+read in large parallel chunks, through pinned buffers and pipelined copies for a GPU
+(``transfer``), and every tensor's bytes are checked against the CRC-32C recorded when
+they were written: a mismatch raises naming the key and file rather than handing corrupt
+weights to a run.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,36 +24,10 @@ from shmstage import tree
 from shmstage.checkpoint import CheckpointError, check_data_name, locate, read_header
 from shmstage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
 from shmstage_client.dtypes import FROM_SAFETENSORS
-from shmstage_client.reading import FileSource, Placement, transfer
-
-if TYPE_CHECKING:
-    from shmstage_client.restoring import Restored
+from shmstage_client.restore.sources import FileSource
+from shmstage_client.restore.transfer import Placement, transfer
 
 _OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-def load(
-    path: str | os.PathLike[str],
-    device: str | torch.device = "cpu",
-    *,
-    verify: bool = True,
-    source: str = "auto",
-    with_info: bool = False,
-    socket: str | os.PathLike[str] | None = None,
-) -> Any:
-    """The state dict saved at ``path``, bit-exact, with tensors on ``device``.
-
-    ``source``: "auto" (the daemon's memory when it holds exactly this checkpoint, else
-    the files, silently), "memory" (only memory: CheckpointError saying why not) or
-    "files". ``verify=False`` skips the checksums (for those who trust their storage and
-    daemon). ``with_info=True`` returns a ``Restored`` (``.state``, ``.source``,
-    ``.seconds``, ``.path``, ...) instead of the bare state dict. ``socket``: the daemon's,
-    when not the default.
-    """
-    from shmstage_client.restoring import restore
-
-    restored: Restored = restore(path, device, verify=verify, source=source, socket=socket)
-    return restored if with_info else restored.state
 
 
 class CheckpointFiles:

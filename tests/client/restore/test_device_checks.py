@@ -12,7 +12,7 @@ import random
 import crc32c
 import pytest
 import torch
-from shmstage_client.device_checksums import BLOCK, DeviceChecksums
+from shmstage_client.restore.device_checks import BLOCK, DeviceChecksums
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -1,5 +1,8 @@
 """A state dict flattened and checked, before anything touches the daemon or the disk.
 
+Both wings use it: a save stages the flattened tensors (``Flattened``), and ``latest(like=)``
+asks the daemon for a checkpoint of the same structure (``Flattened.layout().digest()``).
+
 Everything that can make a save impossible because of what the state dict holds is found
 here, first: unsupported values, tensors safetensors cannot store, plain values the wire
 cannot carry. A refused state dict costs no directory, no slot, no copy.
@@ -29,7 +32,7 @@ COMMIT_OVERHEAD_BYTES: Final = 64 * 1024
 
 
 @dataclass
-class Prepared:
+class Flattened:
     """A state dict flattened: its encoded structure (packed once, for the commit), its
     tensors, and their signature.
 
@@ -46,7 +49,7 @@ class Prepared:
     _layout: Layout | None = None
 
     @classmethod
-    def of(cls, state_dict: Any, offsets: Mapping[str, Sequence[int]] | None) -> Prepared:
+    def of(cls, state_dict: Any, offsets: Mapping[str, Sequence[int]] | None) -> Flattened:
         encoded, items = _flatten(state_dict)
         packed = _pack_tree(encoded)
         shards = {key: tuple(shard) for key, shard in (offsets or {}).items()}

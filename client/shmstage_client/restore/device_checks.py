@@ -6,7 +6,7 @@ on the GPU hosts the copy out of shared memory, the device's reads and the check
 together run at the host's memory bandwidth: a verified restore of 8 GiB took 2.0x the
 raw pinned copy, an unverified one 1.6x. Here the device checks the bytes it received.
 Measured, that frees the host's cores (1.5-1.8 core-seconds per 8 GiB become 0.25) but did
-not shorten a restore beyond the VMs' noise, so ``reading`` uses it only when asked
+not shorten a restore beyond the VMs' noise, so ``transfer`` uses it only when asked
 (``SHMSTAGE_DEVICE_CHECKSUMS=1``) and only once ``warm_up`` has loaded its kernels.
 
 A CRC with zero initial value is linear over GF(2) in the message's bits, so every piece
