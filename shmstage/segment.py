@@ -265,6 +265,18 @@ def give_back(name: str) -> bool:
     return _unlink_quietly(name)
 
 
+def check_size(fd: int, ref: SegmentRef) -> None:
+    """Raise SegmentError unless the segment behind ``fd`` has the size shmstaged made it."""
+    found = os.fstat(fd).st_size
+    if found != ref.size:
+        raise SegmentError(
+            errno.EINVAL,
+            f"segment {ref.name} is {found} bytes, not the {ref.size} shmstaged made it: a "
+            "process holding a writable descriptor on it resized it, and its bytes are not "
+            "what was saved",
+        )
+
+
 #: Pages past a segment's size are counted only beyond this (a huge page may back the end
 #: of a segment where tmpfs uses them).
 _HUGE_PAGE: Final = 2 << 20

@@ -363,11 +363,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(SIZE_CHECK_INTERVAL_S)
-            owners: dict[SegmentRef, StagedLayout] = {}
+            owners: dict[SegmentRef, tuple[StagedLayout, Slot, Any]] = {}
             reading: set[SegmentRef] = set()  # a job's: short ones fail it (``gather``)
             for staged in self.store.layouts.values():
                 for slot in staged.slots:
-                    owners.update((ref, staged) for ref in slot.segments)
+                    owners.update((ref, (staged, slot, slot.held)) for ref in slot.segments)
                     if slot.state is SlotState.PERSISTING:
                         reading.update(slot.segments)
             try:
@@ -378,7 +378,9 @@ class Daemon:
                 log.exception("checking the segments' sizes failed")
                 continue
             for ref, (size, allocated) in fixed:
-                staged = owners[ref]
+                staged, slot, held = owners[ref]
+                if size < ref.size and held is not None and slot.held is held:
+                    slot.held = None  # grown back with zeros: not that checkpoint any more
                 log.warning(
                     "segment %s of layout %d (uid %d) was resized by a process holding its "
                     "descriptor (%d bytes, %d allocated; shmstaged made it %d): put back to "

@@ -388,6 +388,8 @@ class Session:
                 )
                 for ref in refs[first : first + count]:
                     fds.append(segment.open_fd(ref, writable=writable))
+                    if not writable:  # a reader mapping it would fault past a shorter end
+                        segment.check_size(fds[-1], ref)
                 await self.send(op, request_id, {**fields, "first": first}, fds)
             except inflight.NoRoom as exc:
                 await self._transfer_refused(request_id, str(exc), fatal=writable)

@@ -293,7 +293,7 @@ def test_a_fifo_planted_under_a_journaled_name_does_not_block_recovery(
 #: library maps and closes them), writable, as any client may.
 KEEPING = """
         from shmstage_client.connection import DaemonConnection  # (Stager's plumbing)
-        from shmstage_client.destination import open_target
+        from shmstage_client.save.destination import open_target
         conn = DaemonConnection("{sock}")
         def register(tensors):
             handle = conn.start("register", {{"tensors": tensors, "slots": 1, "max_fds": 64}})
@@ -389,3 +389,47 @@ def test_a_segment_its_client_grows_is_put_back_to_its_size(
     assert f"GROWN [({64 << 20}, {64 << 20})]" in out, out
     assert "NOW [(4096, 4096)]" in out, out
     assert "was resized by a process holding its descriptor" in daemon.log()
+
+
+def test_a_checkpoint_whose_segment_its_owner_truncated_is_not_leased_from_memory(
+    shared_daemon, attacker: User, arena: Path
+) -> None:
+    """A reader maps the segments it leases: one its owner truncated would fault past the
+    new end. The daemon refuses to lease it (not_retained: read the files) and, once it has
+    grown it back with zeros, holds no checkpoint in it any more."""
+    daemon = shared_daemon()
+    out = run_as(
+        attacker,
+        KEEPING.format(sock=daemon.socket)
+        + f"""
+        from shmstage_client.errors import DaemonRefused
+        layout, fds = register([["w", "F32", [1024], None]])
+        os.pwrite(fds[0], b"\\x01" * 4096, 0)
+        slot = conn.call("acquire", {{"layout": layout, "wait": False, "timeout": None}},
+                         timeout=30).body["slot"]
+        target = open_target("{arena}/{attacker.name}/held", "model.safetensors")
+        body = {{"layout": layout, "slot": slot, "data_file": "model.safetensors",
+                "file_metadata": {{}}, "metadata": {{}}, "tree": {{"T": "w"}},
+                **target.wire()}}
+        job = conn.call("commit", body, target.fds(), timeout=30).body["job"]
+        say("DONE", conn.job_future(job).result(60)["ok"])
+        os.ftruncate(fds[0], 100)
+        for when in ("now", "later"):
+            reader = DaemonConnection("{daemon.socket}")
+            handle = reader.start("latest", {{"max_fds": 64}})
+            try:
+                while (frame := handle.next(30)).op != "lease_fds":  # "leased" first
+                    pass
+                say("LEASED", when)
+            except DaemonRefused as exc:
+                say("REFUSED", when, exc.code, exc.message)
+            handle.finish()
+            reader.close()
+            time.sleep(12)  # the daemon's size check (every 10 s) puts it back meanwhile
+        say("SIZE", sizes(fds))
+        """,
+    )
+    assert "DONE True" in out, out
+    assert "REFUSED now not_retained" in out and "resized it" in out, out
+    assert "REFUSED later not_retained" in out, out
+    assert "SIZE [(4096, 4096)]" in out, out
