@@ -293,7 +293,7 @@ def test_a_fifo_planted_under_a_journaled_name_does_not_block_recovery(
 #: library maps and closes them), writable, as any client may.
 KEEPING = """
         from shmstage_client.connection import DaemonConnection  # (Stager's plumbing)
-        from shmstage_client.save.destination import open_target
+        from shmstage_client.destination import open_target
         conn = DaemonConnection("{sock}")
         def register(tensors):
             handle = conn.start("register", {{"tensors": tensors, "slots": 1, "max_fds": 64}})
