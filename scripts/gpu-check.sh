@@ -41,8 +41,9 @@ synthetic_8g=(--total-bytes 8GiB --tensors 500 --min-tensor-bytes 4KiB --max-ten
 for what in "$@"; do
   case $what in
     tests) python3 -m pytest -p no:cacheprovider -q -o addopts= tests/client/test_gpu.py \
-             tests/client/test_guard.py tests/client/test_restore.py \
-             tests/client/test_stager.py tests/core 2>&1 | tee "$out/tests.txt" ;;
+             tests/client/save/test_guard.py tests/client/restore/test_restoring.py \
+             tests/client/restore/test_transfer.py tests/client/restore/test_host_staging.py \
+             tests/client/save/test_stager.py tests/core 2>&1 | tee "$out/tests.txt" ;;
     bench-8g) bench bench-8g "${synthetic_8g[@]}" --repeats 3 ;;
     bench-1g) bench bench-1g --total-bytes 1GiB --tensors 10000 --min-tensor-bytes 4KiB \
              --max-tensor-bytes 256MiB --dtype bf16 --repeats 3 --save-timeout 90 ;;

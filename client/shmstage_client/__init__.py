@@ -27,11 +27,11 @@ from shmstage_client.errors import (
     StagingLimitExceeded,
     UnsupportedValue,
 )
-from shmstage_client.guard import Guard
-from shmstage_client.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.restore.restoring import Restored, latest, load, prepare_restore, restore
-from shmstage_client.staged import Staged
-from shmstage_client.stager import Stager
+from shmstage_client.save.guard import Guard
+from shmstage_client.save.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
+from shmstage_client.save.staged import Staged
+from shmstage_client.save.stager import Stager
 
 __version__ = "0.1.0"
 __all__ = [

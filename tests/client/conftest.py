@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from client_helpers import SlowFilesystem
-from shmstage_client import destination
+from shmstage_client.save import destination
 
 
 @pytest.fixture

@@ -35,17 +35,17 @@ def test_each_slot_is_pinned_once_before_its_first_copy(daemon, ckpt: Path) -> N
         with Stager(daemon.socket, slots=2) as stager:
             stager.save(state, ckpt / "a").wait(60)
             assert stager.pinned
-            pinned = stager._layout.pinned
+            pinned = stager._layouts.current.pinned
             # The first save pinned only its own slot, as one range: the slot's segments
             # lie back to back (segment.Region); 2 would mean the driver refused the
             # whole-slot range and it fell back per tensor.
             assert list(pinned) == [0] and len(pinned[0]) == 1
             first = pinned[0]
-            stager._layout.growth.result(60)
+            stager._layouts.current.growth.result(60)
             stager.save(state, ckpt / "b").wait(60)  # slot 1, added after the first save
             assert sorted(pinned) == [0, 1] and len(pinned[1]) == 1
             stager.save(state, ckpt / "c").wait(60)
-            assert stager._layout.pinned[0] is first  # reused, not registered again
+            assert stager._layouts.current.pinned[0] is first  # reused, not registered again
     assert torch.equal(load(ckpt / "c")["w"], state["w"].cpu())
 
 
@@ -126,10 +126,10 @@ def test_cpu_and_cuda_tensors_in_one_state_and_a_move_between_saves(daemon, ckpt
     }
     with Stager(daemon.socket) as stager:
         stager.save(state, ckpt / "mixed").wait(60)
-        layout = stager._layout
+        layout = stager._layouts.current
         moved = {**state, "cpu": state["cpu"].cuda(), "gpu": state["gpu"].cpu()}
         stager.save(moved, ckpt / "moved").wait(60)
-        assert stager._layout is layout  # same structure: the segments are reused
+        assert stager._layouts.current is layout  # same structure: the segments are reused
     for name, source in (("mixed", state), ("moved", moved)):
         loaded = load(ckpt / name)
         for key in ("gpu", "cpu", "gpu_strided"):
@@ -145,7 +145,7 @@ def test_a_large_layout_pinned_in_pieces_saves_every_tensor_exactly(daemon, ckpt
     with Stager(daemon.socket, slots=2) as stager:
         for name in ("a", "b", "c"):  # both slots, then the first again
             stager.save(state, ckpt / name).wait(120)
-            pinned = stager._layout.pinned
+            pinned = stager._layouts.current.pinned
             assert pinned and all(len(ranges) >= 2 for ranges in pinned.values())
             loaded = load(ckpt / name)
             assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())

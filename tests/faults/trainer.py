@@ -58,7 +58,7 @@ def main() -> None:
     for tensor in state["layers"]:  # the daemon owns the staged bytes now
         tensor.fill_(-1.0)
     if mode == "commit-grown":
-        stager._layout.growth.result(60)
+        stager._layouts.current.growth.result(60)
         mode = "commit"
     if mode == "commit":
         say(f"COMMITTED {handle.job}")

@@ -86,10 +86,10 @@ def test_prepared_commits_cannot_fill_the_journal(
         attacker,
         REGISTER
         + f"""
-        from shmstage_client.destination import open_target
+        from shmstage_client.save.destination import open_target
         stager = Stager("{daemon.socket}", slots=4)
         stager.save({{"w": torch.ones(4)}}, "{arena}/{attacker.name}/first").wait(60)
-        mapped = stager._layout
+        mapped = stager._layouts.current
         answers = []
         for i in range(4):  # prepared, and never "ready"
             slot = stager._connection.call(
@@ -136,7 +136,7 @@ def test_hostile_values_are_refused_escaped_or_bounded(
         say("DTYPE", frame(s, conn).body["code"])
         stager = Stager("{daemon.socket}", slots=1)
         stager.save({{"w": torch.ones(4)}}, "{arena}/{attacker.name}/c").wait(60)
-        layout = stager._layout.id
+        layout = stager._layouts.current.id
         r = stager._connection.call("acquire", {{"layout": layout, "wait": False,
                                      "timeout": None}}, timeout=30)
         try:
@@ -293,7 +293,7 @@ def test_a_fifo_planted_under_a_journaled_name_does_not_block_recovery(
 #: library maps and closes them), writable, as any client may.
 KEEPING = """
         from shmstage_client.connection import DaemonConnection  # (Stager's plumbing)
-        from shmstage_client.destination import open_target
+        from shmstage_client.save.destination import open_target
         conn = DaemonConnection("{sock}")
         def register(tensors):
             handle = conn.start("register", {{"tensors": tensors, "slots": 1, "max_fds": 64}})

@@ -159,7 +159,7 @@ def test_another_users_checkpoint_is_not_read_from_memory_while_its_owner_can_wr
         + f"""
         stager = Stager("{daemon.socket}", slots=1)
         stager.save({{"w": {W}}}, "{ckpt}").wait(60)
-        view = stager._layout.slots[0][0]  # the slot's writable mapping, kept
+        view = stager._layouts.current.slots[0][0]  # the slot's writable mapping, kept
         buf = bytearray(view.numpy().tobytes()); keep_crc(buf)
         view.copy_(torch.frombuffer(buf, dtype=torch.float32))
         stager._connection._sock.shutdown(socket.SHUT_RDWR)  # the daemon sees it go

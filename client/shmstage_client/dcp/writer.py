@@ -51,9 +51,9 @@ from torch.futures import Future
 
 from shmstage_client.dcp import directory
 from shmstage_client.errors import CheckpointExists, SaveError, UnsupportedValue
-from shmstage_client.handle import SaveResult, SaveTimings, TimingViews
-from shmstage_client.staged import Staged
-from shmstage_client.stager import Stager
+from shmstage_client.save.handle import SaveResult, SaveTimings, TimingViews
+from shmstage_client.save.staged import Staged
+from shmstage_client.save.stager import Stager
 
 log = logging.getLogger("shmstage.dcp")
 
@@ -333,7 +333,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
             tickets = list(self._unclaimed)
         for ticket in tickets:
             if ticket.staged is not None and ticket.staged.landing is not None:
-                ticket.staged.landing.settled(ticket.staged._stager.request_timeout)
+                ticket.staged.landing.settled(ticket.staged.request_timeout)
 
     def _supersede_unclaimed(self) -> None:
         with self._lock:

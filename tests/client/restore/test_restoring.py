@@ -161,8 +161,8 @@ def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free
     monkeypatch.setattr(lease_module.MemoryLease, "take", classmethod(spying))
     with Stager(daemon.socket) as stager:
         stager.save(many, ckpt / "many").wait(60)
-        assert stager._layout is not None and stager._layout.growth is not None
-        stager._layout.growth.result(60)  # its second slot's descriptors come and go first
+        assert stager._layouts.current is not None and stager._layouts.current.growth is not None
+        stager._layouts.current.growth.result(60)  # its second slot's descriptors come and go first
         before = len(os.listdir("/proc/self/fd"))
         through_fds = restored(ckpt / "many", daemon)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

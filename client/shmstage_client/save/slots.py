@@ -11,7 +11,7 @@ queued on other streams cannot delay the save.
 
 A non-blocking save defers the copy of the tensors a guard covers (``CopyEngine.start``):
 CUDA ones stay queued on the side stream, CPU ones go to a copy thread, and the caller gets
-a ``PendingCopy`` to wait on (``pending``).
+a ``DeferredCopy`` to wait on (``deferred_copy``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
-from shmstage_client.pending import CopyGroup, PendingCopy, StreamCopy, ThreadCopy
 from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, prefault, try_pin
+from shmstage_client.save.deferred_copy import CopyGroup, DeferredCopy, StreamCopy, ThreadCopy
 
 log = logging.getLogger("shmstage.client")
 
@@ -341,7 +341,7 @@ class CopyEngine:
         sources: Sequence[torch.Tensor],
         groups: Mapping[torch.device, Sequence[int]] | None,
         deferred: Sequence[bool] | None,
-    ) -> PendingCopy | None:
+    ) -> DeferredCopy | None:
         """Copy every source into its slot view: those not ``deferred`` before returning, the
         others in the background — CUDA ones on the side stream, CPU ones on the copy thread.
 
@@ -355,7 +355,7 @@ class CopyEngine:
         if groups is None:
             groups = device_groups([src.device for src in sources])
         eager: list[torch.cuda.Event] = []
-        parts: list[PendingCopy] = []
+        parts: list[DeferredCopy] = []
         try:
             with torch.no_grad():  # the views must not join the caller's autograd graph
                 for device, indices in groups.items():
@@ -385,7 +385,7 @@ class CopyEngine:
         now: Sequence[int],
         later: Sequence[int],
         eager: list[torch.cuda.Event],
-        parts: list[PendingCopy],
+        parts: list[DeferredCopy],
     ) -> None:
         side = self._streams.get(device)
         if side is None:

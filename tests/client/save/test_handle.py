@@ -13,7 +13,7 @@ import torch
 from client_helpers import SlowFilesystem
 from harness import start_daemon
 from shmstage_client import SaveEvent, Stager
-from shmstage_client.handle import WRITE_PHASES, _write_phases
+from shmstage_client.save.handle import WRITE_PHASES, _write_phases
 
 from shmstage import packing, segment
 from shmstage.control import ControlClient

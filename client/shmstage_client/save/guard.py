@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,16 +37,29 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from shmstage_client.errors import SaveTimeout
 
 if TYPE_CHECKING:
-    from shmstage_client.stager import Stager
+    from shmstage_client.save.handover import Landing
 
 log = logging.getLogger("shmstage.client")
 
 
 class Guard:
     """The step pre-hooks ``Stager.guard()`` put on some optimizers; ``remove()`` takes them
-    off (also a context manager). A Stager's ``close()`` removes its guards."""
+    off (also a context manager). A Stager's ``close()`` removes its guards.
 
-    def __init__(self, stager: Stager, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    Made by the Stager with what the hooks need of it: the copy in flight now
+    (``in_flight``: the last non-blocking save's, until it has landed), how long a step may
+    wait for it (``timeout``: the Stager's ``request_timeout``), and whom to tell that the
+    guard is gone (``forget``).
+    """
+
+    def __init__(
+        self,
+        optimizers: Iterable[torch.optim.Optimizer],
+        *,
+        in_flight: Callable[[], Landing | None],
+        timeout: float,
+        forget: Callable[[Guard], None],
+    ) -> None:
         self.optimizers = tuple(optimizers)
         if not self.optimizers:
             raise ValueError("guard() needs at least one optimizer")
@@ -57,13 +70,15 @@ class Guard:
                     f"{type(optimizer).__name__}: pass the optimizer whose step() mutates the "
                     "saved parameters and state"
                 )
-        self._stager = stager
+        self._in_flight = in_flight
+        self._timeout = timeout
+        self._forget = forget
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        landing = self._stager._in_flight
+        landing = self._in_flight()
         if landing is not None:
-            landing.hold_back(self._stager.request_timeout)
+            landing.hold_back(self._timeout)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor these optimizers' steps mutate in place: parameters and their state."""
@@ -78,19 +93,21 @@ class Guard:
         """Take the hooks off, once a copy these optimizers' tensors may be part of has
         landed (bounded by the Stager's ``request_timeout``: SaveTimeout, and the guard
         stays, if it has not)."""
-        landing = self._stager._in_flight
-        if landing is not None and not landing.settled(self._stager.request_timeout):
+        landing = self._in_flight()
+        if landing is not None and not landing.settled(self._timeout):
             raise SaveTimeout(
-                f"a save's copy is still running after {self._stager.request_timeout} s; the "
+                f"a save's copy is still running after {self._timeout} s; the "
                 "guard stays until it lands (call remove() again)"
             )
-        self._unhook()
+        self.detach()
 
-    def _unhook(self) -> None:
+    def detach(self) -> None:
+        """Take the hooks off now, without waiting for a copy in flight: the Stager's
+        ``close()``, once that copy has settled or its wait ran out."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._stager._forget_guard(self)
+        self._forget(self)
 
     def __enter__(self) -> Guard:
         return self

@@ -9,6 +9,7 @@ daemon reports once the checkpoint is durable.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -21,7 +22,7 @@ from shmstage_client.errors import DaemonLost, PersistError, SaveError, SaveTime
 
 if TYPE_CHECKING:
     from shmstage_client.connection import DaemonConnection
-    from shmstage_client.handover import Landing
+    from shmstage_client.save.handover import Landing
 
 log = logging.getLogger("shmstage.client")
 
@@ -379,26 +380,39 @@ class SaveHandle:
 
 
 class Tracker:
-    """The saves a Stager has in flight, and its progress callback."""
+    """The saves a Stager has in flight, its progress callback, and the reports to the
+    daemon of what each save cost the trainer (sent from the Stager's ``background``
+    thread, off the caller's critical path)."""
 
-    def __init__(self, progress: ProgressCallback | None) -> None:
+    def __init__(
+        self, progress: ProgressCallback | None, background: concurrent.futures.Executor
+    ) -> None:
         self._progress = progress
-        self._pending: set[SaveHandle] = set()
+        self._background = background
+        self._unsettled: set[SaveHandle] = set()
         self._lock = threading.Lock()
 
     def track(self, handle: SaveHandle) -> None:
         with self._lock:
-            self._pending.add(handle)
+            self._unsettled.add(handle)
+
+    def staged(self, handle: SaveHandle, timings: SaveTimings) -> None:
+        """The daemon owns a save's data: follow it to its outcome, tell the daemon what
+        it cost the trainer (for its log line and metrics), tell the progress callback."""
+        self.track(handle)
+        self._background.submit(_report, handle, timings)
+        handle._staged(timings)
 
     def forget(self, handle: SaveHandle) -> None:
         with self._lock:
-            self._pending.discard(handle)
+            self._unsettled.discard(handle)
         if handle.job is not None:
             handle._connection.forget_job(handle.job)
 
-    def pending(self) -> list[SaveHandle]:
+    def unsettled(self) -> list[SaveHandle]:
+        """The saves whose outcome is not known yet."""
         with self._lock:
-            return list(self._pending)
+            return list(self._unsettled)
 
     def notify(self, event: SaveEvent) -> None:
         if self._progress is None:
@@ -407,6 +421,12 @@ class Tracker:
             self._progress(event)
         except Exception:  # a broken callback must not fail the save or kill the reader
             log.exception("shmstage progress callback raised; ignored")
+
+
+def _report(handle: SaveHandle, timings: SaveTimings) -> None:
+    """Tell the daemon what the save cost the trainer (for its log line and metrics)."""
+    with contextlib.suppress(SaveError, OSError):
+        handle._connection.post("report", {"job": handle.job, **timings.wire()})
 
 
 def _deferred(t: SaveTimings) -> str:

@@ -2,22 +2,25 @@
 
 ``save()`` blocks only while tensors are copied into shared memory. In order:
 
-1. prepare — flatten and check the state dict (``prepared``); a refused one costs nothing;
+1. prepare — flatten and check the state dict (``statedict``); a refused one costs nothing;
 2. destination — open where it goes (``destination``): usually a spare pending directory
    made in the background after the previous save, so no filesystem round trip here;
-3. layout and slot — reuse the registered layout (or register one) and take a slot;
-4. commit, sent ahead of the copy — the daemon checks and journals it meanwhile;
-5. copy — into the slot (``staging``);
+3. layout and slot — reuse the registered layout (or register one) and take a slot
+   (``layouts``);
+4. commit, sent ahead of the copy — the daemon checks and journals it meanwhile (a
+   *prepared* commit);
+5. copy — into the slot (``slots``);
 6. ready — the daemon answers ``committed`` and owns the data: the trainer may modify or
    free its tensors, or even exit, and the checkpoint still completes (``staged``).
 
 ``save()`` then returns a ``SaveHandle`` (``handle``) whose ``timings`` say what each step
-cost; in the background it tells the daemon the stall and prepares the next spare.
+cost; in the background it tells the daemon the stall and makes the next spare.
 
 ``save(..., block=False)`` returns after step 5 has only *started* for the tensors that a
 guard covers (``guard``: the optimizers' parameters and state): their copy runs behind the
-caller's next forward and backward (``pending``), the guarded optimizer's ``step()`` waits
-for it, and the Stager's handover thread does step 6 once it has landed (``handover``).
+caller's next forward and backward (``deferred_copy``), the guarded optimizer's ``step()``
+waits for it, and the Stager's handover thread does step 6 once it has landed
+(``handover``).
 """
 
 from __future__ import annotations
@@ -27,40 +30,34 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from shmstage.layout import Layout
 from shmstage_client.collection import collection_paused
-from shmstage_client.connection import DaemonConnection, RequestHandle, receivable_fds
-from shmstage_client.destination import (
+from shmstage_client.connection import DaemonConnection, RequestHandle
+from shmstage_client.errors import SaveError, SaveTimeout
+from shmstage_client.save.deferred_copy import DeferredCopy
+from shmstage_client.save.destination import (
     DEFAULT_DATA_FILE,
     Fields,
     Spares,
     check_data_file,
     open_target,
 )
-from shmstage_client.errors import DaemonLost, SaveError, SaveTimeout
-from shmstage_client.guard import Coverage, Guard
-from shmstage_client.handle import Clock, ProgressCallback, SaveHandle, SaveTimings, Tracker
-from shmstage_client.handover import FollowUp, Handover, Landing
-from shmstage_client.pending import PendingCopy
-from shmstage_client.staged import Destination, Staged
-from shmstage_client.staging import CopyEngine, MappedLayout, device_groups
+from shmstage_client.save.guard import Coverage, Guard
+from shmstage_client.save.handle import Clock, ProgressCallback, SaveHandle, SaveTimings, Tracker
+from shmstage_client.save.handover import FollowUp, Handover, Landing
+from shmstage_client.save.layouts import Layouts
+from shmstage_client.save.slots import CopyEngine
+from shmstage_client.save.staged import Destination, Staged
 from shmstage_client.statedict import Flattened, check_fits
 
 log = logging.getLogger("shmstage.client")
 
 __all__ = ["DEFAULT_DATA_FILE", "Stager", "check_data_file"]
-
-#: Threads that fault in slots added after a first save: they compete with training for
-#: memory bandwidth (on an H100 host, 8 threads slowed a training step ~1.1x while they
-#: ran; page faults never wait for the GPU), so fewer than a first save's own setup.
-BACKGROUND_SETUP_THREADS = 4
 
 
 class Stager:
@@ -110,12 +107,12 @@ class Stager:
         self._connection = DaemonConnection(
             socket, client_name=f"shmstage-client pid {os.getpid()}"
         )
-        self._layout: MappedLayout | None = None
-        self._tracker = Tracker(progress)
         #: After each save: its report to the daemon, then the next spare, in that order.
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="shmstage-background"
         )
+        self._layouts = Layouts(self._connection, self._background)
+        self._tracker = Tracker(progress, self._background)
         self._spares = Spares(self._background, data_file)
         self._guards: list[Guard] = []
         #: The last non-blocking save's copy until it has landed and been handed over; the
@@ -123,8 +120,6 @@ class Stager:
         self._in_flight: Landing | None = None
         self._handover = Handover()
         self._warned_unguarded = False
-        self._warned_slots = False
-        self._growth_lock = threading.Lock()  # the handover thread may ask too
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -145,8 +140,8 @@ class Stager:
         deadline = None if timeout is None else time.monotonic() + timeout
         landed = self._in_flight is None or self._in_flight.settled(timeout)
         for guard in list(self._guards):
-            guard._unhook()
-        for handle in self._tracker.pending():
+            guard.detach()
+        for handle in self._tracker.unsettled():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 handle.wait(remaining)
@@ -156,14 +151,9 @@ class Stager:
         self._copier.close(wait=landed)
         self._spares.close()
         self._background.shutdown(wait=True)  # reports still queued go out first
-        if self._layout is not None and self._connection.alive and not retain:
-            with contextlib.suppress(SaveError):
-                self._connection.call("release", {"layout": self._layout.id}, timeout=30)
-        if self._layout is not None and landed:
-            self._layout.close()
-        elif self._layout is not None:  # never unmap what a copy may still write into
-            log.warning("a save's copy had not landed at close(); its mapping is left in place")
-        self._layout = None
+        if not retain:
+            self._layouts.release()
+        self._layouts.close(landed=landed)
         self._connection.close()
 
     @property
@@ -179,10 +169,15 @@ class Stager:
         waits for the copy of a ``save(..., block=False)`` still in flight — on a CUDA
         device the step's stream waits for the copy's event, with no host wait. Which
         tensors that covers, and which are still copied before ``save()`` returns, is in
-        ``shmstage_client.guard``. Call once per optimizer (several at once, or several
+        ``shmstage_client.save.guard``. Call once per optimizer (several at once, or several
         calls); ``Guard.remove()`` takes the hooks off, ``close()`` removes every guard.
         """
-        guard = Guard(self, optimizers)
+        guard = Guard(
+            optimizers,
+            in_flight=lambda: self._in_flight,
+            timeout=self.request_timeout,
+            forget=self._forget_guard,
+        )
         self._guards.append(guard)
         return guard
 
@@ -226,32 +221,32 @@ class Stager:
         clock = Clock()
         with collection_paused():
             self._await_landing(clock)
-            prepared = Flattened.of(state_dict, offsets)
-            prepared.check(self._layout.signature if self._layout is not None else None)
+            flat = Flattened.of(state_dict, offsets)
+            flat.check(self._layouts.signature)
             fields = Fields.check(self.data_file, None, metadata)
-            check_fits(prepared.encoded, prepared.packed_tree, fields.packed_metadata)
+            check_fits(flat.encoded, flat.packed_tree, fields.packed_metadata)
             clock.lap("prepare")
             destination = Destination(open_target(path, self.data_file, self._spares), fields)
             clock.lap("setup")
             try:
-                staged = self._claim(prepared, clock)
+                staged = self._claim(flat, clock)
             except BaseException:
                 destination.abort()
                 raise
             early = staged.send_commit(destination, ready=False)
             clock.lap("commit")
             try:
-                pending = self._copy(staged, prepared, early, block)
+                deferred = self._copy(staged, flat, early, block)
             except BaseException:
                 destination.abort()
                 raise
             clock.lap("copy")
-            if pending is not None:
-                return self._defer(staged, destination, early, pending, clock)
+            if deferred is not None:
+                return self._defer(staged, destination, early, deferred, clock)
             handle = staged.complete(destination, early)
             clock.lap("commit")
         self._staged(handle, clock.timings(), destination)
-        self._add_slots_soon()
+        self._layouts.add_slots_soon(self.request_timeout)
         return handle
 
     def stage(
@@ -273,21 +268,21 @@ class Stager:
         clock = Clock()
         with collection_paused():
             self._await_landing(clock)
-            prepared = Flattened.of(state_dict, offsets)
+            flat = Flattened.of(state_dict, offsets)
             clock.lap("prepare")
-            staged = self._claim(prepared, clock)
-            pending = self._copy(staged, prepared, None, block)
+            staged = self._claim(flat, clock)
+            deferred = self._copy(staged, flat, None, block)
             clock.lap("copy")
         staged.timings = clock.timings()
-        self._add_slots_soon()
-        if pending is not None:
+        self._layouts.add_slots_soon(self.request_timeout)
+        if deferred is not None:
 
             def note_timings(landing: Landing, error: BaseException | None) -> None:
                 staged.timings = _landed(staged.timings, landing, clock)
                 if error is not None:
                     raise error
 
-            staged.landing = self._start_landing(pending, "a staged save", note_timings)
+            staged.landing = self._start_landing(deferred, "a staged save", note_timings)
         return staged
 
     def _await_landing(self, clock: Clock) -> None:
@@ -304,24 +299,37 @@ class Stager:
         self._in_flight = None
         clock.lap("copy_wait")
 
-    def _claim(self, prepared: Flattened, clock: Clock) -> Staged:
+    def _claim(self, flat: Flattened, clock: Clock) -> Staged:
         """Reuse or register the layout and take a slot: the stall before the copy."""
-        mapped = self._mapped(prepared)
+        self._reconnect_if_lost()
+        timeout = self.request_timeout
+        mapped = self._layouts.mapped(flat, slots=self.slots, pin=self.pin, timeout=timeout)
         clock.lap("setup")
-        slot = self._acquire(mapped)
+        slot = self._layouts.acquire(
+            mapped, wait=self.wait_for_slot, slot_timeout=self.slot_timeout, timeout=timeout
+        )
         clock.lap("slot_wait")
-        self._make_ready(mapped, slot)
+        self._layouts.make_ready(mapped, slot, timeout)
         clock.lap("setup")
-        return Staged(self, mapped, slot, prepared.encoded, prepared.packed_tree)
+        return Staged(
+            mapped,
+            slot,
+            flat.encoded,
+            flat.packed_tree,
+            connection=self._connection,  # the daemon gives the slot to this session
+            tracker=self._tracker,
+            request_timeout=timeout,
+            data_file=self.data_file,
+        )
 
     def _copy(
-        self, staged: Staged, prepared: Flattened, early: RequestHandle | None, block: bool
-    ) -> PendingCopy | None:
+        self, staged: Staged, flat: Flattened, early: RequestHandle | None, block: bool
+    ) -> DeferredCopy | None:
         """Copy into the staged slot — the guarded tensors of a non-blocking save only
         started (returned) — and on failure hand it back, with the commit sent ahead of the
         copy (``early``) if there is one."""
         try:
-            sources = [tensor for _, tensor in prepared.items]
+            sources = [tensor for _, tensor in flat.items]
             slot, groups = staged.mapped.slots[staged.slot], staged.mapped.groups
             deferred = None if block else self._deferrable(sources)
             if deferred is None:
@@ -351,13 +359,13 @@ class Stager:
         staged: Staged,
         destination: Destination,
         early: RequestHandle,
-        pending: PendingCopy,
+        deferred: DeferredCopy,
         clock: Clock,
     ) -> SaveHandle:
         """A non-blocking save returns: its handle, and the handover to come."""
         path = destination.target.path
         assert path is not None
-        handle = SaveHandle(self._tracker, staged._connection, None, path)
+        handle = SaveHandle(self._tracker, staged.connection, None, path)
         # What save() cost, before the handover can add to it; staged: not yet.
         handle.timings = dataclasses.replace(clock.timings(), staged_seconds=0.0)
         self._tracker.track(handle)
@@ -374,20 +382,18 @@ class Stager:
                 if handle._error is exc:
                     raise
                 raise handle._error from exc  # what wait() raises, staged() raises too
-            timings = _landed(handle.timings, landing, clock)
-            self._background.submit(_report, handle, timings)
-            handle._staged(timings)
-            self._add_slots_soon()
+            self._tracker.staged(handle, _landed(handle.timings, landing, clock))
+            self._layouts.add_slots_soon(self.request_timeout)
 
-        handle._landing = self._start_landing(pending, str(path), hand_over)
+        handle._landing = self._start_landing(deferred, str(path), hand_over)
         if destination.target.pending:
             self._spares.prepare(path.parent)
         return handle
 
-    def _start_landing(self, pending: PendingCopy, what: str, follow_up: FollowUp) -> Landing:
+    def _start_landing(self, deferred: DeferredCopy, what: str, follow_up: FollowUp) -> Landing:
         """Follow a deferred copy until it lands, then run ``follow_up`` on the handover
         thread; until then it is the copy in flight that guards and the next save wait for."""
-        landing = Landing(pending, what)
+        landing = Landing(deferred, what)
         self._in_flight = landing
         self._handover.submit(landing, follow_up)
         return landing
@@ -397,13 +403,11 @@ class Stager:
     ) -> None:
         """A save is committed and its stall measured: track it, and off the caller's
         critical path tell the daemon the stall and make the next save's spare."""
-        self._tracker.track(handle)
-        self._background.submit(_report, handle, timings)
+        self._tracker.staged(handle, timings)
         target = destination.target if destination is not None else None
         if target is not None and target.pending:
             assert target.path is not None
             self._spares.prepare(target.path.parent)
-        handle._staged(timings)
 
     def _reconnect_if_lost(self) -> None:
         """After a daemon restart: a new connection, and no layout (the next save registers).
@@ -414,187 +418,17 @@ class Stager:
         if self._connection.alive:
             return
         log.warning("shmstaged connection was lost; reconnecting to %s", self._connection.path)
-        if self._layout is not None:
-            self._layout.settle(self.request_timeout)
-            self._layout.close()
-            self._layout = None
+        self._layouts.drop(self.request_timeout)
         self._connection.close()
         self._connection = DaemonConnection(
             self._connection.path, client_name=f"shmstage-client pid {os.getpid()}"
         )
-
-    def _wants_pin(self, items: list[tuple[str, torch.Tensor]]) -> bool:
-        if self.pin == "auto":
-            return any(tensor.device.type == "cuda" for _, tensor in items)
-        return bool(self.pin)
+        self._layouts.connection = self._connection
 
     @property
     def pinned(self) -> bool:
         """Whether the current layout's slots used so far are registered with CUDA."""
-        return self._layout is not None and bool(self._layout.pinned)
-
-    def _mapped(self, prepared: Flattened) -> MappedLayout:
-        """Reuse the registered layout when the structure is identical, else replace it.
-
-        The steady-state check compares the tensors' own properties with those the layout
-        was built from, so an unchanged structure costs neither a new Layout nor its
-        validation (milliseconds at 10,000 tensors).
-        """
-        self._reconnect_if_lost()
-        current = self._layout
-        if current is not None and current.whole and current.signature == prepared.signature:
-            return current
-        layout = prepared.layout()
-        if current is None or current.layout != layout or not current.whole:
-            current = self._register(layout, self._wants_pin(prepared.items))
-            self._layout = current
-        current.signature = prepared.signature
-        current.groups = device_groups([tensor.device for _, tensor in prepared.items])
-        return current
-
-    def _register(self, layout: Layout, pin: bool) -> MappedLayout:
-        """Release the old layout, register ``layout`` and map its segments.
-
-        Registers one slot when more are wanted: the first save sets up only the slot it
-        fills (create, fault in, pin: ~0.13 s/GiB on an H100 host), and ``_add_slots``
-        brings the others once that save is on its way. A retained layout the daemon
-        hands back (adoption) comes with all the slots it kept.
-
-        The segments' descriptors arrive in batches no larger than this process can hold
-        (``receivable_fds``), each mapped and closed before the next is read.
-        """
-        if self._layout is not None:
-            old, self._layout = self._layout, None
-            old.retire()  # before the release frees its pages
-            self._connection.call("release", {"layout": old.id}, timeout=self.request_timeout)
-            old.settle(self.request_timeout)
-            old.close()
-        target = self.slots
-        if target is None:
-            target = self._connection.welcome.get("default_slots", 2)
-        request: dict[str, Any] = {"tensors": layout.to_wire(), "max_fds": receivable_fds()}
-        request["slots"], request["planned_slots"] = min(target, 1), target
-        handle = self._connection.start("register", request)
-        mapped: MappedLayout | None = None
-        try:
-            reply = handle.next(self.request_timeout)
-            mapped = MappedLayout.receiving(reply.body["layout"], layout, reply.body["slots"])
-            mapped.pin, mapped.target_slots = pin, target
-            self._receive_segments(handle, mapped, reply.body["segments"])
-            mapped.mark_ready()
-            if reply.body.get("adopted"):
-                log.info(
-                    "layout %d: adopted %d segments the daemon retained (no new segment for them)",
-                    mapped.id,
-                    reply.body["adopted"],
-                )
-        except BaseException:
-            if mapped is not None:
-                mapped.close()
-            raise
-        finally:
-            handle.finish()
-        return mapped
-
-    def _receive_segments(self, handle: RequestHandle, mapped: MappedLayout, count: int) -> None:
-        """Map the ``count`` segments announced (the slots the layout expects, no more), as
-        their "segment_fds" frames arrive."""
-        first = mapped.received_segments
-        if first + count != mapped.expected_segments:
-            raise DaemonLost(
-                f"daemon announced {count} segments for {mapped.expected_segments - first} "
-                f"(tensors x new slots) of layout {mapped.id}"
-            )
-        while mapped.received_segments < mapped.expected_segments:
-            frame = handle.next(self.request_timeout)
-            if frame.op != "segment_fds" or frame.body["first"] != (
-                mapped.received_segments - first
-            ):
-                for fd in frame.fds:
-                    os.close(fd)
-                raise DaemonLost(f"unexpected {frame.op} while receiving segments")
-            mapped.add_segments(frame.fds)  # map and close each batch as it arrives
-        mapped.complete()
-
-    def _add_slots_soon(self) -> None:
-        """After a layout's first save: ask for the slots it still lacks, on the background
-        thread, behind that save's report and spare directory."""
-        with self._growth_lock:
-            mapped = self._layout
-            if mapped is None or mapped.growth is not None:
-                return
-            if mapped.slot_count < mapped.target_slots:
-                mapped.grow(self._background, self._add_slots)
-
-    def _add_slots(self, mapped: MappedLayout) -> None:
-        """The daemon creates the slots; they are mapped, then faulted in on a few threads
-        (page faults do not hold up the trainer's CUDA calls; pinning would, so it waits
-        for each slot's first save, ``_make_ready``). A refusal (a limit, a full /dev/shm)
-        leaves the layout with the slots it has: saves then wait for the previous write."""
-        first = mapped.slot_count
-        try:
-            handle = self._connection.start(
-                "add_slots",
-                {"layout": mapped.id, "slots": mapped.target_slots, "max_fds": receivable_fds()},
-            )
-            try:
-                reply = handle.next(self.request_timeout)
-                announced = reply.body["slots"] - first
-                try:
-                    mapped.expect(announced)
-                    self._receive_segments(handle, mapped, reply.body["segments"])
-                except BaseException:
-                    mapped.whole = False  # the daemon has slots this process lacks
-                    raise
-            finally:
-                handle.finish()
-            for index in range(first, mapped.slot_count):
-                mapped.prefault_slot(index, BACKGROUND_SETUP_THREADS)
-                mapped.mark_ready(index + 1)  # a save may take it already
-        except (SaveError, OSError, ValueError) as exc:
-            if self._layout is not mapped:  # released on purpose (the structure changed)
-                log.debug("layout %d was released before its slots were added: %s", mapped.id, exc)
-                return
-            if not self._warned_slots:
-                self._warned_slots = True
-                log.warning(
-                    "layout %d keeps %d of its %d slots: adding the others failed (%s); "
-                    "each save waits for the previous checkpoint to be written%s",
-                    mapped.id,
-                    len(mapped.slots),
-                    mapped.target_slots,
-                    exc,
-                    "" if mapped.whole else " (the next save registers the layout again)",
-                )
-
-    def _make_ready(self, mapped: MappedLayout, slot: int) -> None:
-        """The granted slot mapped (it may be one still arriving) and, before its first
-        copy, pinned: registering blocks the process's CUDA calls, so it is done here,
-        inside the measured stall, and never behind the trainer's back."""
-        if not mapped.wait_ready(slot, self.request_timeout):  # arriving, or faulted in
-            with contextlib.suppress(SaveError):
-                self._connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
-            raise DaemonLost(
-                f"slot {slot} of layout {mapped.id} was granted but its segments did not "
-                f"arrive and get set up within {self.request_timeout} s"
-            )
-        mapped.pin_slot(slot)
-
-    def _acquire(self, mapped: MappedLayout) -> int:
-        if not self.wait_for_slot:  # not refused for a slot that is about to exist
-            mapped.settle(self.request_timeout)
-        reply = self._connection.call(
-            "acquire",
-            {"layout": mapped.id, "wait": self.wait_for_slot, "timeout": self.slot_timeout},
-            timeout=None if self.slot_timeout is None else self.slot_timeout + 30,
-        )
-        if reply.body.get("leased"):
-            log.warning(
-                "save waited %.3f s for a slot leased by a reader restoring from it",
-                reply.body["waited"],
-            )
-        return reply.body["slot"]
-
+        return self._layouts.pinned
 
 def _landed(timings: SaveTimings, landing: Landing, clock: Clock) -> SaveTimings:
     """``timings`` with a deferred copy's figures, once it has landed."""
@@ -604,8 +438,3 @@ def _landed(timings: SaveTimings, landing: Landing, clock: Clock) -> SaveTimings
         staged_seconds=time.perf_counter() - clock.started,
     )
 
-
-def _report(handle: SaveHandle, timings: SaveTimings) -> None:
-    """Tell the daemon what the save cost the trainer (for its log line and metrics)."""
-    with contextlib.suppress(SaveError, OSError):
-        handle._connection.post("report", {"job": handle.job, **timings.wire()})

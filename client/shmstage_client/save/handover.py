@@ -1,6 +1,6 @@
 """The handover: a deferred copy lands, then the daemon gets the slot.
 
-A non-blocking save returns while its copy still runs (``pending``), its commit already sent
+A non-blocking save returns while its copy still runs (``deferred_copy``), its commit already sent
 with ``"ready": false``: the daemon has checked and journaled it and waits. Nobody on the
 caller's thread is left to say ``ready`` when the copy completes, so each Stager keeps one
 handover thread: for each deferred copy, in the order they started, it waits until the bytes
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from shmstage_client.errors import SaveTimeout
-from shmstage_client.pending import PendingCopy
+from shmstage_client.save.deferred_copy import DeferredCopy
 
 log = logging.getLogger("shmstage.client")
 
@@ -34,7 +34,7 @@ class Landing:
     whatever the outcome.
     """
 
-    def __init__(self, copy: PendingCopy, what: str) -> None:
+    def __init__(self, copy: DeferredCopy, what: str) -> None:
         self.copy = copy
         self.what = what
         self.started = time.perf_counter()
@@ -48,7 +48,7 @@ class Landing:
 
     def hold_back(self, timeout: float | None) -> None:
         """Before a covered tensor is mutated: make the mutation come after the copy (on the
-        device where it can, see ``PendingCopy.wait_device``)."""
+        device where it can, see ``DeferredCopy.wait_device``)."""
         if not self.done.done():
             self.copy.wait_device(timeout)
 

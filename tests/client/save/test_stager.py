@@ -24,9 +24,9 @@ from shmstage_client import (
     Stager,
     UnsupportedValue,
     load,
-    staging,
 )
 from shmstage_client.dtypes import TO_SAFETENSORS
+from shmstage_client.save import slots as slots_module
 
 from shmstage import checkpoint, segment
 from shmstage.manifest import MANIFEST_NAME
@@ -119,7 +119,8 @@ def test_reallocation_under_unchanged_structure_saves_the_new_values(daemon, ckp
             stager.save(state, ckpt / f"s{step}").wait(60)
             del state  # the next save gets brand-new tensors at new addresses
             assert_same(load(ckpt / f"s{step}"), expected)
-        assert stager._layout is not None and stager._layout.id == 1  # one registration
+        layout = stager._layouts.current
+        assert layout is not None and layout.id == 1  # one registration
 
 
 @pytest.mark.parametrize("slots", [1, 2])
@@ -157,7 +158,7 @@ def test_structure_changes_register_new_layouts(daemon, ckpt: Path) -> None:
         layout_ids = []
         for i, (state, offsets) in enumerate(states):
             stager.save(state, ckpt / f"c{i}", offsets=offsets).wait(60)
-            layout_ids.append(stager._layout.id)
+            layout_ids.append(stager._layouts.current.id)
             assert_same(load(ckpt / f"c{i}"), clone(state))
         assert len(set(layout_ids)) == len(states)
         manifest = json.loads((ckpt / "c4" / MANIFEST_NAME).read_text())
@@ -226,14 +227,14 @@ def test_a_tensor_that_turns_unsupported_in_an_unchanged_structure_is_still_refu
     sparse or meta tensor of the same key, dtype and shape must not slip through that."""
     with Stager(daemon.socket) as stager:
         stager.save({"s": torch.ones(2)}, ckpt / "good").wait(60)
-        layout = stager._layout
+        layout = stager._layouts.current
         for bad in (torch.ones(2).to_sparse(), torch.empty(2, device="meta")):
             with pytest.raises(UnsupportedValue, match="nothing was written"):
                 stager.save({"s": bad}, ckpt / "bad")
             assert not (ckpt / "bad").exists()
         # A Parameter where a Tensor was is the same layout: no new registration.
         stager.save({"s": torch.nn.Parameter(torch.full((2,), 3.0))}, ckpt / "param").wait(60)
-        assert stager._layout is layout
+        assert stager._layouts.current is layout
     assert_same(load(ckpt / "param"), {"s": torch.full((2,), 3.0)})
 
 
@@ -461,7 +462,7 @@ def test_pinning_pieces_never_split_a_tensor() -> None:
     sizes = [(100 << 20) + 3, 4096, 300 << 20, 1, 700 << 20, 50 << 20]
     region = segment.Region(sizes)  # address space only: nothing is mapped or touched
     try:
-        pieces = staging._pieces(region)
+        pieces = slots_module._pieces(region)
         starts = [piece.data_ptr() - region.address for piece in pieces]
         assert starts[0] == 0 and set(starts) <= set(region.offsets)
         assert sum(piece.numel() for piece in pieces) == region.size
@@ -490,7 +491,7 @@ def test_a_first_save_sets_up_one_slot_and_the_next_save_overlaps_its_write(
             assert second.timings.slot_wait_seconds < 2.5
             second.wait(60)
             first.wait(60)
-            assert len(stager._layout.slots) == 2 and stager._layout.growth.done()
+            assert len(stager._layouts.current.slots) == 2 and stager._layouts.current.growth.done()
         assert "added 1 slot(s) to layout" in daemon.log()
         assert_same(load(ckpt / "first"), expected_first)
         assert_same(load(ckpt / "second"), state)
@@ -509,7 +510,7 @@ def test_a_save_never_fills_a_slot_while_it_is_still_being_faulted_in(
     The prefault is slowed down here — read, pause, write back, which is what ``add_(0)``
     does in a few nanoseconds — because the real one is too quick to hit on purpose; what
     it wrote back then shows in the slot (read from memory) rather than in the file."""
-    faulting, real = threading.Event(), staging.prefault
+    faulting, real = threading.Event(), slots_module.prefault
     page = 4096
 
     def slow_prefault(buffer: torch.Tensor) -> None:
@@ -519,7 +520,7 @@ def test_a_save_never_fills_a_slot_while_it_is_still_being_faulted_in(
         buffer[::page].copy_(before)
         real(buffer)
 
-    monkeypatch.setattr(staging, "prefault", slow_prefault)
+    monkeypatch.setattr(slots_module, "prefault", slow_prefault)
     first = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: 1,024 pages
     second = {"w": torch.arange(1 << 20, dtype=torch.float32) + 0.5}
     expected = clone(second)
@@ -529,7 +530,7 @@ def test_a_save_never_fills_a_slot_while_it_is_still_being_faulted_in(
         handle = stager.save(second, ckpt / "b")  # slot 1: it holds nothing, slot 0 job 1
         second["w"].fill_(-7)  # the trainer moves on
         handle.wait(60)
-        stager._layout.growth.result(30)  # the prefault has written back what it read
+        stager._layouts.current.growth.result(30)  # the prefault has written back what it read
         in_memory = load(ckpt / "b", source="memory", socket=daemon.socket)
         assert_same(in_memory, expected)  # the slot, as the daemon wrote it
     assert "added 1 slot(s) to layout" in daemon.log()
@@ -541,26 +542,27 @@ def test_a_save_waits_for_the_prefault_of_its_own_slot_only(
 ) -> None:
     """With three slots, two arrive in the background and are faulted in one after the
     other: a save granted the first of them need not wait for the second's prefault."""
-    release, original = threading.Event(), staging.MappedLayout.prefault_slot
+    release, original = threading.Event(), slots_module.MappedLayout.prefault_slot
 
-    def held_back(self: staging.MappedLayout, index: int, threads: int) -> None:
+    def held_back(self: slots_module.MappedLayout, index: int, threads: int) -> None:
         if index == 2:
             release.wait(30)  # the third slot's prefault takes as long as the test says
         original(self, index, threads)
 
-    monkeypatch.setattr(staging.MappedLayout, "prefault_slot", held_back)
+    monkeypatch.setattr(slots_module.MappedLayout, "prefault_slot", held_back)
     state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
     try:
         with Stager(daemon.socket, slots=3) as stager:
             stager.save(state, ckpt / "a").wait(60)
-            wait_for(lambda: stager._layout.ready == 2, 30, "the second slot to be ready")
+            wait_for(lambda: stager._layouts.current.ready == 2, 30, "the second slot to be ready")
             started = time.monotonic()
             second = stager.save({"w": state["w"] + 1}, ckpt / "b")  # slot 1, ready
             waited = time.monotonic() - started
             assert not release.is_set() and waited < 10, f"save() took {waited:.1f} s"
             release.set()
             second.wait(60)
-            assert stager._layout.growth.result(30) is None and stager._layout.ready == 3
+            grown = stager._layouts.current
+            assert grown.growth.result(30) is None and grown.ready == 3
     finally:
         release.set()
     assert_same(load(ckpt / "b", source="files"), {"w": state["w"] + 1})
@@ -570,7 +572,7 @@ def test_slots_one_never_asks_for_more(daemon, ckpt: Path) -> None:
     with Stager(daemon.socket, slots=1) as stager:
         stager.save({"w": torch.ones(8)}, ckpt / "a").wait(60)
         stager.save({"w": torch.zeros(8)}, ckpt / "b").wait(60)
-        assert len(stager._layout.slots) == 1 and stager._layout.growth is None
+        assert len(stager._layouts.current.slots) == 1 and stager._layouts.current.growth is None
     assert "added" not in daemon.log()
 
 
@@ -584,11 +586,11 @@ def test_a_new_structure_while_slots_are_still_being_added_releases_the_old_clea
     second = {"other": torch.arange(10.0)}
     with Stager(daemon.socket) as stager:
         stager.save(first, ckpt / "a")
-        old = stager._layout
+        old = stager._layouts.current
         stager.save(second, ckpt / "b").wait(60)  # right away: a new layout
         assert old.growth is not None and old.growth.done() and not old.slots
         stager.save(second, ckpt / "c").wait(60)
-        assert len(stager._layout.slots) == 2
+        assert len(stager._layouts.current.slots) == 2
         assert_same(load(ckpt / "c"), second)
     assert_same(load(ckpt / "a"), first)
     wait_for(lambda: not daemon.segments(), 10, "every segment unlinked after close()")
@@ -621,9 +623,9 @@ def test_slots_refused_after_the_first_save_leave_a_working_layout_and_a_warning
             other.save({"v": torch.ones(mib // 4)}, ckpt / "b").wait(60)  # the other MiB
             with caplog.at_level(logging.WARNING, logger="shmstage.client"):
                 gate.set()
-                first._layout.growth.result(60)
+                first._layouts.current.growth.result(60)
             assert "keeps 1 of its 2 slots" in caplog.text and "budget" in caplog.text
-            assert len(first._layout.slots) == 1 and first._layout.whole
+            assert len(first._layouts.current.slots) == 1 and first._layouts.current.whole
             first.save({"w": torch.zeros(mib // 4)}, ckpt / "c").wait(60)
         assert_same(load(ckpt / "c"), {"w": torch.zeros(mib // 4)})
     finally:
@@ -641,7 +643,7 @@ def test_a_structure_change_while_slots_are_being_added_warns_of_nothing(
         gate = threading.Event()
         stager._background.submit(gate.wait, 60)  # holds back the request for slot 2
         stager.save({"w": torch.ones(16)}, ckpt / "a").wait(60)
-        grown = stager._layout
+        grown = stager._layouts.current
         threading.Timer(1.0, gate.set).start()  # once the next save is replacing the layout
         stager.save({"w": torch.ones(16), "v": torch.ones(8)}, ckpt / "b").wait(60)
         grown.growth.result(60)

@@ -17,16 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shmstage_client.connection import RequestHandle
-from shmstage_client.destination import Fields, Target, open_target
+from shmstage_client.connection import DaemonConnection, RequestHandle
 from shmstage_client.errors import SaveError
-from shmstage_client.handle import Clock, SaveHandle, SaveTimings, TimingViews
+from shmstage_client.save.destination import Fields, Target, open_target
+from shmstage_client.save.handle import Clock, SaveHandle, SaveTimings, TimingViews, Tracker
 from shmstage_client.statedict import check_fits
 
 if TYPE_CHECKING:
-    from shmstage_client.handover import Landing
-    from shmstage_client.stager import Stager
-    from shmstage_client.staging import MappedLayout
+    from shmstage_client.save.handover import Landing
+    from shmstage_client.save.slots import MappedLayout
 
 log = logging.getLogger("shmstage.client")
 
@@ -54,18 +53,28 @@ class Staged(TimingViews):
 
     ``timings``: what staging cost (its ``stall_seconds`` is the ``stage()`` call's own);
     the handle ``commit()`` returns adds the commit's part.
+
+    Made by the Stager with what a commit needs of it: the ``connection`` the daemon granted
+    the slot on (only that session may commit or cancel it), the ``tracker`` that follows
+    its saves to their outcome and reports what they cost, how long to wait for the daemon
+    (``request_timeout``) and the default ``data_file``.
     """
 
     def __init__(
         self,
-        stager: Stager,
         mapped: MappedLayout,
         slot: int,
         encoded: Any,
         packed_tree: bytes,
+        *,
+        connection: DaemonConnection,
+        tracker: Tracker,
+        request_timeout: float,
+        data_file: str,
     ) -> None:
-        self._stager = stager
-        self._connection = stager._connection  # the daemon gave the slot to this session
+        self.connection = connection  # the daemon gave the slot to this session
+        self._tracker = tracker
+        self.request_timeout, self.data_file = request_timeout, data_file
         self.mapped = mapped
         self.layout_id = mapped.id
         self.slot = slot
@@ -110,9 +119,9 @@ class Staged(TimingViews):
         clock = Clock()
         try:
             if self.landing is not None:
-                self.landing.wait(self._stager.request_timeout)
+                self.landing.wait(self.request_timeout)
                 clock.lap("copy_wait")
-            fields = Fields.check(data_file or self._stager.data_file, file_metadata, metadata)
+            fields = Fields.check(data_file or self.data_file, file_metadata, metadata)
             check_fits(self._encoded, self._packed_tree, fields.packed_metadata)
             clock.lap("prepare")
             destination = Destination(open_target(path, fields.data_file), fields)
@@ -122,7 +131,7 @@ class Staged(TimingViews):
             raise
         handle = self.complete(destination, self.send_commit(destination, ready=True))
         clock.lap("commit")
-        self._stager._staged(handle, self.timings + clock.timings())
+        self._tracker.staged(handle, self.timings + clock.timings())
         return handle
 
     def cancel(self) -> None:
@@ -131,7 +140,7 @@ class Staged(TimingViews):
             if self._state != "staged":
                 return
             self._state = "cancelled"
-        timeout = self._stager.request_timeout
+        timeout = self.request_timeout
         if self.landing is not None and not self.landing.settled(timeout):
             log.warning(
                 "slot %d is still being copied into after %s s; it stays this client's until "
@@ -160,7 +169,7 @@ class Staged(TimingViews):
             body["ready"] = False
         prepacked = {"tree": self._packed_tree, "metadata": destination.fields.packed_metadata}
         try:
-            return self._connection.start("commit", body, target.fds(), prepacked=prepacked)
+            return self.connection.start("commit", body, target.fds(), prepacked=prepacked)
         except BaseException:
             self._give_up(destination)
             raise
@@ -170,7 +179,7 @@ class Staged(TimingViews):
         job = self.hand_over(destination, request)
         path = destination.target.path
         assert path is not None
-        return SaveHandle(self._stager._tracker, self._connection, job, path)
+        return SaveHandle(self._tracker, self.connection, job, path)
 
     def hand_over(self, destination: Destination, request: RequestHandle) -> int:
         """Wait for the commit's answer; after a prepared one, report the copy complete.
@@ -179,7 +188,7 @@ class Staged(TimingViews):
         Whatever fails, what was created for the destination goes and the slot is handed
         back (the daemon drops a prepared commit with it), then this raises.
         """
-        timeout = self._stager.request_timeout
+        timeout = self.request_timeout
         try:
             try:
                 reply = request.next(timeout)
@@ -187,12 +196,12 @@ class Staged(TimingViews):
                 request.finish()
             if reply.op == "prepared":
                 ready = {"layout": self.layout_id, "slot": self.slot, "job": reply.body["job"]}
-                reply = self._connection.call("ready", ready, timeout=timeout)
+                reply = self.connection.call("ready", ready, timeout=timeout)
         except BaseException as exc:
             self._give_up(destination)
             if isinstance(exc, SaveError) and "unknown fields" in str(exc):
                 raise SaveError(
-                    f"shmstaged at {self._connection.path} is older than this client (it "
+                    f"shmstaged at {self.connection.path} is older than this client (it "
                     f"does not know {exc}); upgrade shmstaged to the client's version"
                 ) from exc
             raise
@@ -221,7 +230,7 @@ class Staged(TimingViews):
 
     def _hand_back(self) -> None:
         try:
-            self._connection.call(
+            self.connection.call(
                 "cancel", {"layout": self.layout_id, "slot": self.slot}, timeout=30
             )
         except SaveError as exc:

@@ -19,7 +19,7 @@ import torch
 from client_helpers import CopyGate
 from harness import assert_same, clone, start_daemon, wait_for
 from shmstage_client import DaemonLost, Stager, load
-from shmstage_client.guard import Coverage
+from shmstage_client.save.guard import Coverage
 
 from shmstage import segment
 from shmstage.control import ControlClient

@@ -1,4 +1,4 @@
-"""A copy into a slot that has started and may not have landed yet.
+"""A deferred copy: a copy into a slot that has started and may not have landed yet.
 
 A non-blocking save (``Stager.save(..., block=False)``) starts the copy of the tensors a
 guard covers and returns; the copy lands later, while the next forward and backward run.
@@ -32,7 +32,7 @@ _POLL_FIRST = 50e-6
 _POLL_MAX = 1e-3
 
 
-class PendingCopy(ABC):
+class DeferredCopy(ABC):
     """A started copy into a slot. Every wait is bounded by its ``timeout`` (None: until the
     copy ends, which it always does: it is a finite amount of work queued on a device or a
     thread); a wait that runs out raises SaveTimeout, and a copy that failed raises its error.
@@ -55,7 +55,7 @@ class PendingCopy(ABC):
         after the copy. No host wait, except for a copy no device stream can wait for."""
 
 
-class StreamCopy(PendingCopy):
+class StreamCopy(DeferredCopy):
     """CUDA copies queued on a side stream, ended by an event.
 
     Holds the sources until the copy has landed: a tensor the caller drops meanwhile must not
@@ -99,7 +99,7 @@ class StreamCopy(PendingCopy):
         torch.cuda.current_stream(self.device).wait_event(self._event)
 
 
-class ThreadCopy(PendingCopy):
+class ThreadCopy(DeferredCopy):
     """CPU copies running on a copy thread (``concurrent.futures`` future of the copy)."""
 
     def __init__(self, future: concurrent.futures.Future[None], nbytes: int) -> None:
@@ -121,10 +121,10 @@ class ThreadCopy(PendingCopy):
         self.wait_host(timeout)  # no stream can wait for a host thread
 
 
-class CopyGroup(PendingCopy):
+class CopyGroup(DeferredCopy):
     """One save's copies on several devices: landed when all have."""
 
-    def __init__(self, parts: Sequence[PendingCopy]) -> None:
+    def __init__(self, parts: Sequence[DeferredCopy]) -> None:
         self.parts = list(parts)
         self.nbytes = sum(part.nbytes for part in self.parts)
 
