@@ -65,7 +65,7 @@ LEASE_SEGMENTS: Final = 1024
 
 #: How long staging made by ``prepare_restore`` waits for its restore: a restart script's
 #: start-up (initialising CUDA and the process group, building the model) takes a while.
-PREPARED_KEEP_S: Final = 600.0
+KEEP_AHEAD_S: Final = 600.0
 
 
 @dataclass
@@ -247,7 +247,7 @@ def latest(
             connection.close()
 
 
-def prepare_restore(device: str | torch.device = "cuda", *, keep: float = PREPARED_KEEP_S) -> None:
+def prepare_restore(device: str | torch.device = "cuda", *, keep: float = KEEP_AHEAD_S) -> None:
     """Get ready to restore to ``device`` while the process does other things: call it in
     a restart script once the device is chosen (``torch.cuda.set_device``, or any first
     CUDA call), before building the model, the optimizer and the process group; it

@@ -158,11 +158,11 @@ def test_latest_finding_nothing_to_restore_releases_the_staging(
     daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(host_staging, "_SPARES", host_staging._Spares())
-    prepared = _FakeStaging(1 << 20)  # what prepare_restore would have made on a GPU
-    host_staging._SPARES.keep(prepared)
+    made_ahead = _FakeStaging(1 << 20)  # what prepare_restore would have made on a GPU
+    host_staging._SPARES.keep(made_ahead)
     with pytest.raises(CheckpointError, match="no checkpoint to restore"):
         latest(socket=daemon.socket)
     deadline = time.monotonic() + 5
-    while not prepared.freed and time.monotonic() < deadline:
+    while not made_ahead.freed and time.monotonic() < deadline:
         time.sleep(0.01)  # freed on a thread of its own
-    assert prepared.freed
+    assert made_ahead.freed
