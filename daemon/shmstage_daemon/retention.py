@@ -696,44 +696,6 @@ class Retention:
         """A layout was collected (released and idle)."""
         self._structures.pop(staged.id, None)
 
-    # -- reporting ---------------------------------------------------------------
-
-    def status(self, layouts: Iterable[StagedLayout]) -> dict[str, Any]:
-        """The checkpoints in memory (each layout's newest) and the policy, for status."""
-        now_mono, now = time.monotonic(), time.time()
-        checkpoints = []
-        for staged in layouts:
-            slot = staged.newest()
-            if slot is None or slot.held is None or staged.released:
-                continue
-            held = slot.held
-            expires = None
-            if staged.retained is not None:
-                expires = max(self.policy.ttl - (now_mono - staged.retained), 0.0)
-            checkpoints.append(
-                {
-                    "uid": held.uid,
-                    "layout": staged.id,
-                    "job": held.job,
-                    "directory": held.directory,
-                    "data_file": held.data_file,
-                    "bytes": held.nbytes,
-                    "memory_bytes": staged.bytes_reserved,
-                    "age_seconds": now - held.acknowledged_unix,
-                    "durable": held.durable,
-                    "retained": staged.retained is not None,
-                    "expires_seconds": expires,
-                    "leases": sum(len(s.leases) for s in staged.slots),
-                }
-            )
-        return {
-            **self.policy.to_wire(),
-            "retained_bytes": self.store.retained_bytes,
-            "retained_layouts": len(self.store.retained),
-            "leases": len(self.leases),
-            "checkpoints": checkpoints,
-        }
-
 
 def _age(staged: StagedLayout) -> int:
     newest = staged.newest()

@@ -99,7 +99,7 @@ class Service:
         if self.config.metrics_socket is not None:
             await self._start_metrics_socket(self.config.metrics_socket)
         serving = loop.create_task(self.daemon.serve())
-        self._last_status = self.daemon.status_line()
+        self._last_status = self.daemon.status.status_line()
         self.notifier.ready(self._last_status)
         # Start-up logged "listening on" before the loop existed; from here signals, the
         # loop's own descriptors and every connection are handled (tests wait for this).
@@ -128,7 +128,7 @@ class Service:
     async def _status_loop(self) -> None:
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
-            line = self.daemon.status_line()
+            line = self.daemon.status.status_line()
             if line != self._last_status and not self.daemon.stopping:
                 self._last_status = line
                 self.notifier.status(line)
@@ -175,7 +175,7 @@ class Service:
         self.notifier.ready(self._status())
 
     def _status(self) -> str:
-        self._last_status = self.daemon.status_line()
+        self._last_status = self.daemon.status.status_line()
         return self._last_status
 
     # -- metrics over HTTP -------------------------------------------------------
@@ -227,7 +227,7 @@ class Service:
             elif target.split("?", 1)[0] not in ("/metrics", "/"):
                 status, body, ctype = "404 Not Found", "see /metrics\n", "text/plain"
             else:
-                status, body = "200 OK", render(self.daemon.metrics())
+                status, body = "200 OK", render(self.daemon.status.metrics())
                 ctype = "text/plain; version=0.0.4; charset=utf-8"
             data = body.encode()
             writer.write(

@@ -220,17 +220,13 @@ class Store:
         self.uids[session] = uid
         self.by_session[session] = {}
 
-    def charge(self, session: int, what: str, amount: int, limit: int, setting: str) -> None:
-        """Add ``amount`` to one of the user's counters, or refuse naming the limit."""
-        usage = self.user(session)
-        if amount > 0 and getattr(usage, what) + amount > limit:
-            raise StoreError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"uid {self.uids.get(session)} would hold {getattr(usage, what) + amount} "
-                f"{what.replace('_', ' ')} (limit {limit}, {setting}); wait for earlier work "
-                "to finish or raise the limit in shmstaged's configuration",
-            )
-        setattr(usage, what, getattr(usage, what) + amount)
+    def take(self, session: int, what: str, amount: int, limit: int, setting: str) -> Taken:
+        """Add ``amount`` to one of the user's counters, or refuse naming the limit; what
+        is taken goes back by ``release`` on the answer, exactly once (a second release
+        gives nothing back), so no caller pairs a charge with a charge of minus as much."""
+        taken = Taken(self, self.uids.get(session, -1), what, setting, self.uids.get(session))
+        taken.resize(amount, limit)
+        return taken
 
     # -- registration ------------------------------------------------------------
 
@@ -592,6 +588,52 @@ class Store:
 
     def all_segment_names(self) -> list[str]:
         return [name for staged in self.layouts.values() for name in staged.segment_names()]
+
+
+class Taken:
+    """Part of one user's counter (``UserUsage.<what>``), held until ``release``.
+
+    It stays the user's it was taken for, whichever connection asked and whether or not
+    that connection is still open when it goes back. ``resize`` suits a counter that
+    follows something growing and shrinking (the bytes of a frame still arriving): only
+    growing is checked against the limit.
+    """
+
+    def __init__(self, store: Store, uid: int, what: str, setting: str, shown: Any) -> None:
+        self._store = store
+        self.uid = uid
+        self._shown = shown  # the uid as refusals name it
+        self.what = what
+        self._setting = setting
+        self.amount = 0
+        self.released = False
+
+    def resize(self, amount: int, limit: int) -> None:
+        """Hold ``amount`` from now on, or refuse (holding what was held) naming the limit."""
+        if self.released:
+            raise RuntimeError(f"{self.what} of uid {self.uid} was released already")
+        usage = self._store.usage.setdefault(self.uid, UserUsage())
+        held = getattr(usage, self.what)
+        delta = amount - self.amount
+        if delta > 0 and held + delta > limit:
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {self._shown} would hold {held + delta} {self.what.replace('_', ' ')} "
+                f"(limit {limit}, {self._setting}); wait for earlier work to finish or raise "
+                "the limit in shmstaged's configuration",
+            )
+        setattr(usage, self.what, held + delta)
+        self.amount = amount
+
+    def release(self) -> None:
+        """Give it all back; once (the user may be gone from the books by then: nothing)."""
+        if self.released:
+            return
+        self.released = True
+        usage = self._store.usage.get(self.uid)
+        if usage is not None:
+            setattr(usage, self.what, getattr(usage, self.what) - self.amount)
+        self.amount = 0
 
 
 def _oldest_free(staged: StagedLayout) -> Slot | None:
