@@ -290,17 +290,26 @@ class SaveHandle:
         self._tracker.notify(SaveEvent(self.path, "staged", timings))
         self._connection.job_future(self.job).add_done_callback(self._settle)
 
-    def _failed_before_handover(self, error: BaseException) -> None:
-        """A non-blocking save ended before the daemon owned its data: nothing is written."""
+    def follow(self, landing: Landing) -> None:
+        """Follow a non-blocking save's deferred copy: ``staged()`` waits for it."""
+        self._landing = landing
+
+    def failed_before_handover(self, error: BaseException) -> SaveError:
+        """A non-blocking save ended before the daemon owned its data: nothing is written.
+        Returns the error the handle settled with (``error`` itself if a SaveError)."""
+        settled: SaveError
         if isinstance(error, DaemonLost):
-            error = DaemonLost(
+            settled = DaemonLost(
                 f"checkpoint {self.path} was not written: {error}; shmstaged was lost before "
                 "the copy was handed over, so nothing of it is published (this Stager "
                 "reconnects on its next save)"
             )
-        elif not isinstance(error, SaveError):
-            error = SaveError(f"checkpoint {self.path}: the deferred copy failed: {error!r}")
-        self._conclude(error)
+        elif isinstance(error, SaveError):
+            settled = error
+        else:
+            settled = SaveError(f"checkpoint {self.path}: the deferred copy failed: {error!r}")
+        self._conclude(settled)
+        return settled
 
     def done(self) -> bool:
         return self._settled.is_set()

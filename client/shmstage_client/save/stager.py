@@ -378,14 +378,14 @@ class Stager:
                     raise error
                 handle.job = staged.hand_over(destination, early)
             except BaseException as exc:
-                handle._failed_before_handover(exc)
-                if handle._error is exc:
+                settled = handle.failed_before_handover(exc)
+                if settled is exc:
                     raise
-                raise handle._error from exc  # what wait() raises, staged() raises too
+                raise settled from exc  # what wait() raises, staged() raises too
             self._tracker.staged(handle, _landed(handle.timings, landing, clock))
             self._layouts.add_slots_soon(self.request_timeout)
 
-        handle._landing = self._start_landing(deferred, str(path), hand_over)
+        handle.follow(self._start_landing(deferred, str(path), hand_over))
         if destination.target.pending:
             self._spares.prepare(path.parent)
         return handle
