@@ -69,7 +69,7 @@ FD_HEADROOM = 32
 MIN_FDS_PER_MESSAGE = 8
 
 
-def _descriptors() -> tuple[int, int]:
+def descriptor_room() -> tuple[int, int]:
     """(RLIMIT_NOFILE soft limit, descriptors open now) of this process."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -89,7 +89,7 @@ def receivable_fds() -> int:
     caller maps and closes the one before (``DaemonConnection._untaken_fds``). The
     descriptor table is grown to hold them now, in one step (``descriptors``).
     """
-    soft, in_use = _descriptors()
+    soft, in_use = descriptor_room()
     free = (soft - in_use - FD_HEADROOM) // 2
     if free < MIN_FDS_PER_MESSAGE:
         raise SaveError(
@@ -110,7 +110,7 @@ def expect_fds(count: int) -> int:
     multi-threaded process waits for an RCU grace period, and blocks every descriptor the
     process opens meanwhile, so one growth instead of two is what there is to win.
     Returns the table's size (unchanged where the limit leaves no room for them)."""
-    soft, in_use = _descriptors()
+    soft, in_use = descriptor_room()
     if count > (soft - in_use - FD_HEADROOM) // 2 - MAX_FDS_PER_FRAME:
         return descriptors.table_size()
     return descriptors.reserve(in_use + count + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME)
@@ -120,7 +120,7 @@ def room_for_fds(count: int) -> bool:
     """Whether this process can keep ``count`` more descriptors open for a while and still
     receive the daemon's batches and open files freely (at most half of what is left);
     if so, the descriptor table is grown for them now, in one step."""
-    soft, in_use = _descriptors()
+    soft, in_use = descriptor_room()
     if count > (soft - in_use - FD_HEADROOM) // 2 - MAX_FDS_PER_FRAME:
         return False
     descriptors.reserve(in_use + count + FD_HEADROOM + 2 * MAX_FDS_PER_FRAME)
@@ -129,7 +129,7 @@ def room_for_fds(count: int) -> bool:
 
 def _truncated_fds_message(received: int) -> str:
     """The kernel drops descriptors it cannot install: say so, not 'protocol error'."""
-    soft, in_use = _descriptors()
+    soft, in_use = descriptor_room()
     return (
         f"this process ran out of file descriptors while receiving shared-memory segments "
         f"from shmstaged (got {received}; {in_use} open, RLIMIT_NOFILE {soft}): something "

@@ -55,7 +55,7 @@ def lease_batch() -> int:
     try:
         return receivable_fds()
     except SaveError:
-        soft, in_use = _connection._descriptors()
+        soft, in_use = _connection.descriptor_room()
         batch = (soft - in_use - SHORT_HEADROOM) // 2
         if batch < 1:
             raise
