@@ -308,15 +308,11 @@ def check_destination(destination: job.Destination, peer: Peer) -> None:
         if destination.pending:
             _check_pending(destination, peer)
         dir_fd = destination.dir_fd
-        dir_st = os.fstat(dir_fd)
-        if not stat.S_ISDIR(dir_st.st_mode):
-            raise RequestError(ErrorCode.BAD_REQUEST, "first descriptor is not a directory")
-        if not may_write_dir(dir_st, peer):
-            raise RequestError(
-                ErrorCode.NOT_ALLOWED,
-                f"uid {peer.uid} cannot write the checkpoint directory itself, so "
-                "shmstaged will not write there on its behalf",
-            )
+        _check_writable_dir(
+            os.fstat(dir_fd),
+            peer,
+            "the checkpoint directory itself, so shmstaged will not write there",
+        )
         data = requests.check_file_fd(destination.data_tmp, destination.data_fd, dir_fd)
         manifest = requests.check_file_fd(destination.manifest_tmp, destination.manifest_fd, dir_fd)
         if (data.st_dev, data.st_ino) == (manifest.st_dev, manifest.st_ino):
@@ -331,6 +327,17 @@ def check_destination(destination: job.Destination, peer: Peer) -> None:
         ) from None
 
 
+def _check_writable_dir(st: os.stat_result, peer: Peer, refused: str) -> None:
+    """The first descriptor is a directory ``peer`` may write (``refused``: what it may
+    not write, and what shmstaged then will not do on its behalf)."""
+    if not stat.S_ISDIR(st.st_mode):
+        raise RequestError(ErrorCode.BAD_REQUEST, "first descriptor is not a directory")
+    if not may_write_dir(st, peer):
+        raise RequestError(
+            ErrorCode.NOT_ALLOWED, f"uid {peer.uid} cannot write {refused} on its behalf"
+        )
+
+
 def _check_pending(destination: job.Destination, peer: Peer) -> None:
     """A new directory: the parent is one the client may write, the pending directory is
     the very one named there, and the final name is free.
@@ -341,14 +348,12 @@ def _check_pending(destination: job.Destination, peer: Peer) -> None:
     names.check_pending_dir_name(destination.pending_dir)
     names.check_final_dir_name(destination.final_dir)
     parent = os.fstat(destination.parent_fd)
-    if not stat.S_ISDIR(parent.st_mode):
-        raise RequestError(ErrorCode.BAD_REQUEST, "first descriptor is not a directory")
-    if not may_write_dir(parent, peer):
-        raise RequestError(
-            ErrorCode.NOT_ALLOWED,
-            f"uid {peer.uid} cannot write the directory that would hold "
-            f"{destination.final_dir}, so shmstaged will not create it there on its behalf",
-        )
+    _check_writable_dir(
+        parent,
+        peer,
+        f"the directory that would hold {destination.final_dir}, so shmstaged will not "
+        "create it there",
+    )
     pending = os.fstat(destination.dir_fd)
     try:
         named = os.stat(
