@@ -305,6 +305,15 @@ KEEPING = """
             return reply.body["layout"], fds
         def sizes(fds):
             return [(os.fstat(fd).st_size, os.fstat(fd).st_blocks * 512) for fd in fds]
+        def commit_filled(layout, fds, directory, **extra):
+            os.pwrite(fds[0], b"\\x01" * 4096, 0)
+            slot = conn.call("acquire", {{"layout": layout, "wait": False, "timeout": None}},
+                             timeout=30).body["slot"]
+            target = open_target(directory, "model.safetensors")
+            body = {{"layout": layout, "slot": slot, "data_file": "model.safetensors",
+                    "file_metadata": {{}}, "metadata": {{}}, "tree": {{"T": "w"}},
+                    **extra, **target.wire()}}
+            return slot, conn.call("commit", body, target.fds(), timeout=30).body["job"]
 """
 
 
@@ -343,14 +352,7 @@ def test_a_segment_its_client_truncates_fails_only_that_checkpoint_with_a_clear_
         KEEPING.format(sock=daemon.socket)
         + f"""
         layout, fds = register([["w", "F32", [1024], None]])
-        os.pwrite(fds[0], b"\\x01" * 4096, 0)
-        slot = conn.call("acquire", {{"layout": layout, "wait": False, "timeout": None}},
-                         timeout=30).body["slot"]
-        target = open_target("{arena}/{attacker.name}/cut", "model.safetensors")
-        body = {{"layout": layout, "slot": slot, "data_file": "model.safetensors",
-                "file_metadata": {{}}, "metadata": {{}}, "tree": {{"T": "w"}},
-                "ready": False, **target.wire()}}
-        job = conn.call("commit", body, target.fds(), timeout=30).body["job"]
+        slot, job = commit_filled(layout, fds, "{arena}/{attacker.name}/cut", ready=False)
         os.ftruncate(fds[0], 100)  # while the job waits for "ready": its slot is persisting
         conn.call("ready", {{"layout": layout, "slot": slot, "job": job}}, timeout=30)
         done = conn.job_future(job).result(60)
@@ -404,14 +406,7 @@ def test_a_checkpoint_whose_segment_its_owner_truncated_is_not_leased_from_memor
         + f"""
         from shmstage_client.errors import DaemonRefused
         layout, fds = register([["w", "F32", [1024], None]])
-        os.pwrite(fds[0], b"\\x01" * 4096, 0)
-        slot = conn.call("acquire", {{"layout": layout, "wait": False, "timeout": None}},
-                         timeout=30).body["slot"]
-        target = open_target("{arena}/{attacker.name}/held", "model.safetensors")
-        body = {{"layout": layout, "slot": slot, "data_file": "model.safetensors",
-                "file_metadata": {{}}, "metadata": {{}}, "tree": {{"T": "w"}},
-                **target.wire()}}
-        job = conn.call("commit", body, target.fds(), timeout=30).body["job"]
+        slot, job = commit_filled(layout, fds, "{arena}/{attacker.name}/held")
         say("DONE", conn.job_future(job).result(60)["ok"])
         os.ftruncate(fds[0], 100)
         for when in ("now", "later"):
