@@ -20,6 +20,11 @@ import pytest
 from harness import RunningDaemon, wait_for
 from sec_helpers import DAEMON_USER, GROUP, Actor, User, run_as, start_daemon_as
 
+#: The kernel counts descriptors in flight per uid, node-wide: every packaged daemon of the
+#: tests' service user (another test on another worker) adds to the count these tests
+#: drive to its bound, so they run with the node-wide tests, alone (`make test`).
+pytestmark = pytest.mark.node_wide
+
 #: The daemon's descriptor limit in these tests: the kernel refuses every send of
 #: descriptors once its user has more than this many unread.
 NOFILE = 1024
