@@ -170,6 +170,11 @@ def _add_sequence(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--guard", action="store_true", help="training: also run with guard()")
     g.add_argument(
+        "--reserve",
+        action="store_true",
+        help="training: also run with stager.reserve(state) before the loop",
+    )
+    g.add_argument(
         "--save-every",
         type=int,
         default=None,

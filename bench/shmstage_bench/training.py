@@ -9,6 +9,10 @@ forward and backward overlap the copy. Every checkpoint kept is loaded back once
 compared bit for bit with a snapshot of the state taken right before its ``save()`` (in
 pinned buffers allocated up front; compared after the loop, so no comparison lands inside a
 timed step): it must be the state at the call, not a mix of steps.
+
+With ``--reserve`` a third run calls ``stager.reserve(state)`` before the loop (issue 36:
+every slot registered, faulted in and pinned up front), so its first and second saves
+stall for the copy only; its rows sit beside the plain run's first and second saves.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class TrainingJob:
     save_every: int | None
     guard: bool
     wait_timeout: float
+    reserve: bool = False
 
 
 def _memory_for_snapshots(nbytes: int, slots: int, root: Path, wanted: int) -> int:
@@ -78,6 +83,8 @@ def _unsupported(job: TrainingJob) -> str:
     """Why the guarded run cannot happen with this client, or ""."""
     if job.guard and not hasattr(import_stager(), "guard"):
         return f"{UNSUPPORTED}: Stager has no guard() (issue 14's non-blocking save)"
+    if job.reserve and not hasattr(import_stager(), "reserve"):
+        return f"{UNSUPPORTED}: Stager has no reserve() (issue 36's setup before training)"
     return ""
 
 
@@ -126,6 +133,12 @@ def measure(job: TrainingJob) -> dict[str, Any]:
     with stager_cls(socket=job.socket, slots=job.slots, progress=clock) as stager:
         if job.guard:
             stager.guard(trainer.optimizer)
+        reserve_s = None
+        if job.reserve:
+            t0 = time.perf_counter()
+            stager.reserve(trainer.state())
+            reserve_s = time.perf_counter() - t0
+            print(f"reserve(): {reserve_s:.3f} s", flush=True)
 
         def save(index: int, step: int, kwargs: dict[str, Any]) -> tuple[SaveRecord, Any]:
             """Snapshot (if this save is compared) untimed, then the timed ``save()``."""
@@ -187,6 +200,7 @@ def measure(job: TrainingJob) -> dict[str, Any]:
         "tensors": len(tensors),
         "state_bytes": nbytes,
         "kept": len(kept),
+        "reserve_s": reserve_s,
     }
 
 
@@ -235,10 +249,12 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         "saves": saves,
         "save_every": args.save_every,
         "guard": args.guard,
+        "reserve": args.reserve,
         "slots": args.slots,
         "seed": args.seed,
     }
-    modes = [("plain", False)] + ([("guard", True)] if args.guard else [])
+    modes = [("plain", False, False)] + ([("guard", True, False)] if args.guard else [])
+    modes += [("reserve", False, True)] if args.reserve else []
     tables = {
         "limits": Table(
             "limits",
@@ -275,7 +291,7 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         ),
     }
     notes: list[str] = []
-    for mode, guard in modes:
+    for mode, guard, reserve in modes:
         if not session.socket:
             _error_rows(tables, mode, session.daemon_error)
             continue
@@ -290,6 +306,7 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
             args.save_every,
             guard,
             args.save_timeout,
+            reserve,
         )
         outcome = session.run(f"training-{mode}", measure, (job,), args.part_timeout)
         shutil.rmtree(job.root, ignore_errors=True)
@@ -314,7 +331,9 @@ def _mode_rows(tables: dict[str, Table], mode: str, guard: bool, v: dict[str, An
     )
     origin = v["first"].issued_at
     first = v["first"].row(copy_s, origin)
-    first["name"] = f"{mode}: first save (registers)"
+    first["name"] = f"{mode}: first save " + (
+        "(after reserve())" if v.get("reserve_s") is not None else "(registers)"
+    )
     rows = [first]
     for r in v["records"]:
         row = r.row(copy_s, origin)
@@ -351,6 +370,13 @@ def _mode_rows(tables: dict[str, Table], mode: str, guard: bool, v: dict[str, An
         f"{len(v['records']) + 1} checkpoints compared bit-exact"
         + ("" if all(exact) else " — MISMATCH, see the rows"),
     ]
+    if v.get("reserve_s") is not None:
+        second = v["records"][0].wall_stall_s if v["records"] else None
+        notes.append(
+            f"{mode}: reserve() before the loop took {_fmt(v['reserve_s'])} s; then the first "
+            f"save stalled {_fmt(v['first'].wall_stall_s)} s and the second "
+            f"{_fmt(second)} s (raw copy {_fmt(copy_s)} s; compare the plain run's rows)"
+        )
     if guard:
         target = 0.010 + 0.001 * v["tensors"] / 100
         notes.append(

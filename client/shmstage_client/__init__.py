@@ -31,7 +31,7 @@ from shmstage_client.restore.restoring import Restored, latest, load, prepare_re
 from shmstage_client.save.guard import Guard
 from shmstage_client.save.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
 from shmstage_client.save.staged import Staged
-from shmstage_client.save.stager import Stager
+from shmstage_client.save.stager import ReserveInfo, Stager
 
 __version__ = "0.1.0"
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "DestinationError",
     "Guard",
     "PersistError",
+    "ReserveInfo",
     "Restored",
     "SaveError",
     "SaveEvent",

@@ -349,11 +349,16 @@ def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(tmp_path
         "--save-every",
         "1",
         "--guard",
+        "--reserve",
     )
     saves = report.rows_by_name(rep, "saves")
     plain = ["plain: first save (registers)", "plain: save 1 (step 4)", "plain: save 2 (step 5)"]
     assert_ok(saves, *plain, "plain: steady (median of saves 2..N)")
     assert [saves[n]["bit_exact"] for n in plain] == [True, True, True]
+    reserved = ["reserve: first save (after reserve())", "reserve: save 1 (step 4)"]
+    assert_ok(saves, *reserved)
+    assert all(saves[n]["bit_exact"] for n in reserved)
+    assert any(note.startswith("reserve: reserve() before the loop took") for note in rep["notes"])
     steps = report.rows_by_name(rep, "steps")
     assert_ok(steps, "plain: nothing in flight", "plain: a persist in flight")
     if hasattr(Stager, "guard"):  # issue 14's API is there: the guarded run must pass too

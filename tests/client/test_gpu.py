@@ -49,6 +49,23 @@ def test_each_slot_is_pinned_once_before_its_first_copy(daemon, ckpt: Path) -> N
     assert torch.equal(load(ckpt / "c")["w"], state["w"].cpu())
 
 
+def test_reserve_pins_every_slot_before_the_first_save(daemon, ckpt: Path) -> None:
+    """reserve() pins every slot on the caller's thread, so no save pins any: the ranges
+    the saves copy into are the very ones reserve() registered."""
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a pinning failure would warn
+        with Stager(daemon.socket, slots=3) as stager:
+            info = stager.reserve(state)
+            pinned = dict(stager._layouts.current.pinned)
+            assert info.slots == info.pinned == 3 and sorted(pinned) == [0, 1, 2]
+            for i in range(3):
+                stager.save(state, ckpt / f"c{i}").wait(60)
+            assert stager._layouts.current.pinned == pinned
+            assert not stager.reserve(state).changed
+    assert_same(load(ckpt / "c2"), {k: v.cpu() for k, v in state.items()})
+
+
 def test_cpu_only_state_is_not_pinned(daemon, ckpt: Path) -> None:
     with Stager(daemon.socket) as stager:
         stager.save({"w": torch.ones(10)}, ckpt / "a").wait(60)

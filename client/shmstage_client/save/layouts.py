@@ -9,7 +9,9 @@ A new layout's first save sets up only the slot it fills (create, fault in, pin:
 s/GiB on an H100 host); the others come on a background thread once that save is on its
 way (``add_slots``), mapped and faulted in, each pinned just before its first copy. Every
 save then takes a slot (``acquire``), waits until it has arrived and pinned it
-(``make_ready``). ``slots`` (``MappedLayout``) maps the segments and copies into them.
+(``make_ready``). ``reserve``, before the training loop, does all of that at once on the
+caller's thread: every slot added, faulted in and pinned, so no save sets anything up.
+``slots`` (``MappedLayout``) maps the segments and copies into them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.connection import DaemonConnection, RequestHandle, receivable_fds
 from shmstage_client.errors import DaemonLost, SaveError
@@ -216,31 +219,38 @@ class Layouts:
             mapped.add_segments(frame.fds)  # map and close each batch as it arrives
         mapped.complete()
 
+    def reserve(
+        self, flat: Flattened, *, slots: int | None, pin: bool | str, timeout: float
+    ) -> tuple[MappedLayout, bool]:
+        """Everything a first save of ``flat``'s structure would set up, now, on the
+        caller's thread: the layout registered (unless it already is), every slot it wants
+        added, each faulted in and, with ``pin``, pinned. Returns the layout and whether
+        anything was set up; a refusal raises, as the save would. A slot already set up
+        (by an earlier save or reserve) is left alone: it may hold a checkpoint."""
+        if self.current is not None:
+            self.current.settle(timeout)  # a background add_slots under way ends first
+        before = self.current
+        mapped = self.mapped(flat, slots=slots, pin=pin, timeout=timeout)
+        fresh = mapped is not before
+        if fresh:  # the registration's slots: nothing has copied into them yet
+            for index in range(mapped.slot_count):
+                mapped.prefault_slot(index, segment.MAX_SETUP_THREADS)
+        if mapped.slot_count < mapped.target_slots:
+            fresh = True
+            self._grow_now(mapped, timeout, segment.MAX_SETUP_THREADS)
+        pinned_before = len(mapped.pinned)
+        for index in range(mapped.slot_count):
+            mapped.pin_slot(index)  # once per slot: a pinned one returns at once
+        return mapped, fresh or len(mapped.pinned) > pinned_before
+
     def _add_slots(self, mapped: MappedLayout, timeout: float) -> None:
-        """The daemon creates the slots; they are mapped, then faulted in on a few threads
-        (page faults do not hold up the trainer's CUDA calls; pinning would, so it waits
-        for each slot's first save, ``make_ready``). A refusal (a limit, a full /dev/shm)
-        leaves the layout with the slots it has: saves then wait for the previous write."""
-        first = mapped.slot_count
+        """The background request for the slots a layout's first save did not set up:
+        faulted in on a few threads (page faults do not hold up the trainer's CUDA calls;
+        pinning would, so it waits for each slot's first save, ``make_ready``). A refusal
+        (a limit, a full /dev/shm) leaves the layout with the slots it has: saves then wait
+        for the previous write."""
         try:
-            handle = self.connection.start(
-                "add_slots",
-                {"layout": mapped.id, "slots": mapped.target_slots, "max_fds": receivable_fds()},
-            )
-            try:
-                reply = handle.next(timeout)
-                announced = reply.body["slots"] - first
-                try:
-                    mapped.expect(announced)
-                    self._receive_segments(handle, mapped, reply.body["segments"], timeout)
-                except BaseException:
-                    mapped.whole = False  # the daemon has slots this process lacks
-                    raise
-            finally:
-                handle.finish()
-            for index in range(first, mapped.slot_count):
-                mapped.prefault_slot(index, BACKGROUND_SETUP_THREADS)
-                mapped.mark_ready(index + 1)  # a save may take it already
+            self._grow_now(mapped, timeout, BACKGROUND_SETUP_THREADS)
         except (SaveError, OSError, ValueError) as exc:
             if self.current is not mapped:  # released on purpose (the structure changed)
                 log.debug("layout %d was released before its slots were added: %s", mapped.id, exc)
@@ -256,6 +266,29 @@ class Layouts:
                     exc,
                     "" if mapped.whole else " (the next save registers the layout again)",
                 )
+
+    def _grow_now(self, mapped: MappedLayout, timeout: float, threads: int) -> None:
+        """The daemon creates the slots the layout still lacks; they are mapped, then
+        faulted in on ``threads`` threads, each marked ready as it is. Raises a refusal."""
+        first = mapped.slot_count
+        handle = self.connection.start(
+            "add_slots",
+            {"layout": mapped.id, "slots": mapped.target_slots, "max_fds": receivable_fds()},
+        )
+        try:
+            reply = handle.next(timeout)
+            announced = reply.body["slots"] - first
+            try:
+                mapped.expect(announced)
+                self._receive_segments(handle, mapped, reply.body["segments"], timeout)
+            except BaseException:
+                mapped.whole = False  # the daemon has slots this process lacks
+                raise
+        finally:
+            handle.finish()
+        for index in range(first, mapped.slot_count):
+            mapped.prefault_slot(index, threads)
+            mapped.mark_ready(index + 1)  # a save may take it already
 
 
 def _wants_pin(pin: bool | str, items: list[tuple[str, torch.Tensor]]) -> bool:

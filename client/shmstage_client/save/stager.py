@@ -13,6 +13,10 @@
 6. ready — the daemon answers ``committed`` and owns the data: the trainer may modify or
    free its tensors, or even exit, and the checkpoint still completes (``staged``).
 
+``reserve(state_dict)``, called once before the training loop, does step 3 ahead of time
+for every slot (registered, added, faulted in, pinned), so that a save of that structure
+starts at step 4 after a lookup.
+
 ``save()`` then returns a ``SaveHandle`` (``handle``) whose ``timings`` say what each step
 cost; in the background it tells the daemon the stall and makes the next spare.
 
@@ -57,7 +61,21 @@ from shmstage_client.statedict import Flattened, check_fits
 
 log = logging.getLogger("shmstage.client")
 
-__all__ = ["DEFAULT_DATA_FILE", "Stager", "check_data_file"]
+__all__ = ["DEFAULT_DATA_FILE", "ReserveInfo", "Stager", "check_data_file"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveInfo:
+    """What ``Stager.reserve`` set up: the layout, its slots (``pinned`` of them registered
+    with CUDA), their bytes in /dev/shm, the seconds it took, and whether it did anything
+    (False: the structure was already set up)."""
+
+    layout: int
+    slots: int
+    pinned: int
+    bytes: int
+    seconds: float
+    changed: bool
 
 
 class Stager:
@@ -77,6 +95,9 @@ class Stager:
 
     If shmstaged restarts, saves in flight fail with DaemonLost naming the checkpoint, and
     the next ``save()`` reconnects and registers its layout again by itself.
+
+    ``reserve(state_dict)`` before the training loop sets up every slot at once — and
+    pins each for CUDA — so that no save in the loop pays for setup (see ``reserve``).
 
     ``guard(optimizer)`` lets ``save(..., block=False)`` copy that optimizer's parameters and
     state behind the next forward and backward (see ``save``).
@@ -248,6 +269,50 @@ class Stager:
         self._staged(handle, clock.timings(), destination)
         self._layouts.add_slots_soon(self.request_timeout)
         return handle
+
+    def reserve(
+        self,
+        state_dict: Any,
+        *,
+        offsets: Mapping[str, Sequence[int]] | None = None,
+        timeout: float | None = None,
+    ) -> ReserveInfo:
+        """Set up, now, everything a save of ``state_dict``'s structure needs, so that no
+        save in the training loop stalls for more than its copy.
+
+        A new layout's first save otherwise registers it and sets up the slot it fills, and
+        each later slot is pinned inside the first save that fills it (1.63 s, then 1.01 s,
+        then 0.15 s for a 7.4 GiB state on an H100). Here the structure is flattened and
+        checked as ``save()`` does it, the layout registered with every slot the Stager
+        wants, each slot faulted in and, for CUDA tensors (``pin``), pinned — on this
+        thread, because pinning holds up the process's other CUDA calls and the caller
+        asked for it now. Nothing is copied: the tensors may be uninitialised.
+
+        Call it with the state dict the loop will save (the same keys, dtypes, shapes,
+        devices and ``offsets``); a save of another structure then registers its own layout
+        as usual, releasing this one. Calling it again for the same structure does nothing.
+        Raises what ``save()`` would: UnsupportedValue naming the key, DaemonRefused for a
+        limit or a full /dev/shm. ``timeout``: for each request (default
+        ``request_timeout``).
+        """
+        started = time.perf_counter()
+        timeout = self.request_timeout if timeout is None else timeout
+        with collection_paused():
+            self._await_landing(Clock())  # a copy in flight may still use the layout
+            flat = Flattened.of(state_dict, offsets)
+            flat.check(self._layouts.signature)
+            self._reconnect_if_lost()
+            mapped, changed = self._layouts.reserve(
+                flat, slots=self.slots, pin=self.pin, timeout=timeout
+            )
+        return ReserveInfo(
+            layout=mapped.id,
+            slots=len(mapped.slots),
+            pinned=len(mapped.pinned),
+            bytes=len(mapped.slots) * sum(mapped.layout.packing().sizes),
+            seconds=time.perf_counter() - started,
+            changed=changed,
+        )
 
     def stage(
         self,

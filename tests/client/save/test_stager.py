@@ -22,6 +22,7 @@ from shmstage_client import (
     DaemonRefused,
     SlotUnavailable,
     Stager,
+    StagingLimitExceeded,
     UnsupportedValue,
     load,
 )
@@ -650,3 +651,94 @@ def test_a_structure_change_while_slots_are_being_added_warns_of_nothing(
         stager.save({"w": torch.ones(16), "v": torch.ones(8)}, ckpt / "c").wait(60)
     assert "keeps" not in caplog.text and "unknown_layout" not in caplog.text, caplog.text
     assert_same(load(ckpt / "c"), {"w": torch.ones(16), "v": torch.ones(8)})
+
+
+def test_after_reserve_the_first_save_registers_nothing_and_finds_every_slot_faulted_in(
+    daemon, ckpt: Path
+) -> None:
+    """reserve() pays for the layout before the loop: one registration, every slot added
+    and faulted in, so the first save's setup is a lookup and asks the daemon for no slot."""
+    state = {f"t{i}": torch.full((4096,), float(i)) for i in range(50)}
+    with Stager(daemon.socket, slots=3) as stager:
+        info = stager.reserve(state)
+        mapped = stager._layouts.current
+        assert (info.layout, info.slots, info.changed) == (mapped.id, 3, True)
+        assert info.bytes == 3 * sum(mapped.layout.packing().sizes) and info.pinned == 0
+        assert len(mapped.slots) == mapped.ready == 3 and mapped.growth is None
+        assert "50 tensors x 1 slot(s)" in daemon.log() and "added 2 slot(s)" in daemon.log()
+        log_before = daemon.log()
+        handles = [stager.save(state, ckpt / f"c{i}") for i in range(2)]
+        for handle in handles:
+            handle.wait(60)
+        assert stager._layouts.current is mapped and mapped.growth is None
+        assert daemon.log().count("registered layout") == 1
+        assert "added" not in daemon.log()[len(log_before) :]
+        assert handles[0].timings.setup_seconds < 0.05, handles[0].timings
+    assert_same(load(ckpt / "c1"), state)
+
+
+def test_reserved_slots_are_faulted_in_on_the_callers_thread(
+    daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    faulted: list[tuple[int, str]] = []
+    original = slots_module.MappedLayout.prefault_slot
+
+    def noted(self: slots_module.MappedLayout, index: int, threads: int) -> None:
+        faulted.append((index, threading.current_thread().name))
+        original(self, index, threads)
+
+    monkeypatch.setattr(slots_module.MappedLayout, "prefault_slot", noted)
+    with Stager(daemon.socket, slots=2) as stager:
+        stager.reserve({"w": torch.ones(1 << 16)})
+    me = threading.current_thread().name
+    assert faulted == [(0, me), (1, me)]
+
+
+def test_reserving_the_same_structure_twice_does_nothing_the_second_time(
+    daemon, ckpt: Path
+) -> None:
+    state = {"w": torch.ones(1024), "step": 3}
+    with Stager(daemon.socket) as stager:
+        assert stager.reserve(state).changed
+        again = stager.reserve({"w": torch.zeros(1024), "step": 4})  # new values, same layout
+        assert not again.changed and again.slots == 2
+        stager.save(state, ckpt / "a").wait(60)
+        assert not stager.reserve(state).changed
+    assert daemon.log().count("registered layout") == 1
+    assert daemon.log().count("added 1 slot(s)") == 1
+
+
+def test_a_save_of_another_structure_after_reserve_registers_its_own_layout(
+    daemon, ckpt: Path
+) -> None:
+    reserved = {"w": torch.ones(1024)}
+    other = {"w": torch.ones(1024), "b": torch.arange(8.0)}
+    with Stager(daemon.socket) as stager:
+        stager.reserve(reserved)
+        first = stager._layouts.current
+        stager.save(other, ckpt / "other").wait(60)
+        assert stager._layouts.current is not first and not first.slots  # released, unmapped
+        stager.save(reserved, ckpt / "back").wait(60)
+    assert_same(load(ckpt / "other"), other)
+    assert_same(load(ckpt / "back"), reserved)
+    assert daemon.log().count("registered layout") == 3
+
+
+def test_reserve_refuses_an_unsupported_value_naming_its_key(daemon) -> None:
+    with Stager(daemon.socket) as stager, pytest.raises(UnsupportedValue, match="'bad'"):
+        stager.reserve({"a": torch.ones(2), "bad": {1, 2}})
+    assert daemon.segments() == []
+
+
+def test_reserve_beyond_the_budget_is_refused_as_a_save_would_be(tmp_path: Path) -> None:
+    mib = 1 << 20
+    daemon = start_daemon(tmp_path / "daemon", "--shm-budget", str(mib))
+    try:
+        with Stager(daemon.socket) as stager:
+            with pytest.raises(StagingLimitExceeded) as reserved:
+                stager.reserve({"w": torch.ones(mib)})  # 4 MiB x 2 slots
+            with pytest.raises(StagingLimitExceeded) as saved:
+                stager.save({"w": torch.ones(mib)}, tmp_path / "c")
+        assert str(reserved.value) == str(saved.value)
+    finally:
+        daemon.discard()
