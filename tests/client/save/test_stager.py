@@ -370,35 +370,26 @@ def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
 def test_many_segments_register_under_a_small_descriptor_limit(daemon, ckpt: Path) -> None:
     """Brief bug 7: 1,200 segments arrive in batches of 253, are closed once mapped, and
     the mappings hold no descriptor: RLIMIT_NOFILE 640 suffices for 600 tensors x 2 slots."""
-    code = """
-import resource, sys, torch
-resource.setrlimit(resource.RLIMIT_NOFILE, (640, 640))
-from shmstage_client import Stager, load
-state = {f"t{i}": torch.full((3,), float(i)) for i in range(600)}
-with Stager(sys.argv[1], slots=2) as st:
-    st.save(state, sys.argv[2]).wait(120)
-back = load(sys.argv[2])
-assert all(torch.equal(back[k], v) for k, v in state.items())
-print("ok")
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    _save_and_load_under_a_descriptor_limit(daemon, ckpt, nofile=640, tensors=600)
 
 
 def test_each_batch_of_descriptors_fits_what_the_client_can_take(daemon, ckpt: Path) -> None:
     """With ``ulimit -n 256`` a state dict of 125 or more tensors (x 2 slots) could not be
     saved: the daemon sent 253 descriptors per message, more than the trainer had free,
     and the error blamed a leak. The client now says how many it can take per message."""
-    code = """
+    _save_and_load_under_a_descriptor_limit(daemon, ckpt, nofile=256, tensors=200)
+
+
+def _save_and_load_under_a_descriptor_limit(
+    daemon, ckpt: Path, *, nofile: int, tensors: int
+) -> None:
+    """A process limited to ``nofile`` descriptors saves ``tensors`` small tensors in two
+    slots and loads them back bit-exact."""
+    code = f"""
 import resource, sys, torch
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile}, {nofile}))
 from shmstage_client import Stager, load
-state = {f"t{i}": torch.full((3,), float(i)) for i in range(200)}
+state = {{f"t{{i}}": torch.full((3,), float(i)) for i in range({tensors})}}
 with Stager(sys.argv[1], slots=2) as st:
     st.save(state, sys.argv[2]).wait(120)
 back = load(sys.argv[2])
