@@ -86,8 +86,10 @@ def not_written_for(uid: int, dir_fd: int, manifest: Manifest | None = None) -> 
             return f"its manifest records a save by uid {recorded}, not uid {uid}"
         names_ += list(manifest.files)
     for name in names_:
-        if "/" in name or name in ("", ".", ".."):
-            return f"its manifest names an invalid data file {name!r}"
+        try:
+            names.check_plain_name(name, what="its data file")
+        except names.NameError_ as exc:
+            return str(exc)
         try:
             owned = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
