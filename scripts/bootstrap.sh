@@ -32,6 +32,10 @@ if [[ ! -e $stamp ]]; then
   if (( want_test )); then
     say "installing the test tools: pytest, pytest-xdist, safetensors, hypothesis, ruff, atheris"
     quiet "${pip[@]}" pytest pytest-timeout pytest-xdist safetensors hypothesis ruff
+    # The frameworks the integrations are tested against (the client's extras, and TRL, whose
+    # trainers build on the Hugging Face Trainer): about 40 s and 0.5 GB more.
+    say "installing the frameworks for the integration tests: lightning, transformers, accelerate, trl, torchtitan"
+    quiet "${pip[@]}" -e "client[lightning,hf,torchtitan]" trl
     # atheris (the coverage-guided protocol fuzzer) only from a binary wheel: building it
     # needs clang/libFuzzer; without it that one fuzz test skips, hypothesis still runs.
     quiet "${pip[@]}" --only-binary=atheris atheris ||
