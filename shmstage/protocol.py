@@ -50,7 +50,7 @@ RESTORE_SOURCES: Final = ("memory", "files")
 #: Frames of every op but the two that carry a structure are small: refused above this
 #: before they are decoded, so a 31 MiB "hello" costs nothing.
 SMALL_FRAME_BYTES: Final = 64 * 1024
-LARGE_OPS: Final = frozenset({"register", "commit"})
+LARGE_OPS: Final = frozenset({"register", "commit", "publish"})
 #: Decoding frames above ``_COUNTED_ABOVE`` bytes counts the containers it builds and stops
 #: past this many: a frame of tiny maps expands 25-60x when decoded, so bytes alone do not
 #: bound the memory (or the event loop's time) one frame can take. A commit's structure
@@ -182,6 +182,28 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``default_slots``: the slots a registration without ``slots`` gets.
     "welcome": {
+    # Publishing (``channels``): the filled ``slot`` becomes version ``step`` of the
+    # caller's channel ``name``, visible to subscribers at once; with ``job`` it is the
+    # slot of that committed save (its tree and metadata are the commit's). ``share``:
+    # gids whose members may subscribe too (each must be allowed by the daemon).
+    "publish": {
+        "layout": _INT,
+        "slot": _INT,
+        "name": _STR,
+        "step": _INT,
+        "job": _INT,
+        "tree": _ANY,
+        "metadata": _MAP,
+        "share": _LIST,
+    },
+    # A subscription is a request that stays open: "subscribed" answers it, then each new
+    # version of the channel is announced by a "version" frame carrying its id.
+    "subscribe": {"name": _STR, "owner": _INT},
+    # Pin the channel's newest version (newer than ``newer_than``): answered by "pinned"
+    # and, for a slot this connection was not sent yet, its read-only segments in
+    # "ring_fds" frames.
+    "pin": {"channel": _INT, "newer_than": _INT + _NONE, "seconds": _NUM, "max_fds": _INT},
+    "unpin": {"pin": _INT},
         "version": _INT,
         "daemon": _STR,
         "instance": _STR,
@@ -236,6 +258,32 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
 #: The parts of a save's stall a "report" may carry besides ``stall_seconds``.
 REPORT_PARTS: Final = (
     "prepare_seconds",
+    "published": {"name": _STR, "step": _INT, "subscribers": _INT},
+    # ``newest``: the step of the channel's newest version, if it has one now.
+    "subscribed": {"channel": _INT, "newest": _INT + _NONE},
+    # The one frame the daemon sends unasked: a new version of a subscribed channel is
+    # visible. It carries the id of the client's "subscribe" request, whose answers it
+    # continues; versions published meanwhile may be folded into the newest.
+    "version": {"channel": _INT, "step": _INT},
+    # ``ring``: the publisher's layout (a new one: map its slots afresh); ``slot``: the
+    # slot's key in that ring (stable while the ring lives); ``tensors`` (the ring's
+    # structure) only with the ring's first pin on this connection; ``segments``: how
+    # many descriptors follow in "ring_fds" frames (0 when this connection has them).
+    "pinned": {
+        "pin": _INT,
+        "step": _INT,
+        "seconds": _NUM,
+        "ring": _INT,
+        "slot": _INT,
+        "segments": _INT,
+        "sizes": _LIST,
+        "tensors": _LIST,
+        "tree": _ANY,
+        "metadata": _MAP,
+    },
+    "ring_fds": {"pin": _INT, "first": _INT},
+    # ``held``: the pin was in force until now (false: it had expired).
+    "unpinned": {"pin": _INT, "held": _BOOL},
     "setup_seconds",
     "slot_wait_seconds",
     "copy_seconds",
@@ -270,6 +318,10 @@ _OPTIONAL: dict[str, frozenset[str]] = {
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 
 
+    "publish": frozenset({"job", "tree", "metadata", "share"}),
+    "subscribe": frozenset({"owner"}),
+    "pin": frozenset({"newer_than", "seconds", "max_fds"}),
+    "pinned": frozenset({"tensors"}),
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One decoded message. ``fds`` are owned by whoever takes the frame: close them."""
@@ -424,7 +476,7 @@ class Connection:
                 ProtocolError(
                     ErrorCode.FRAME_TOO_LARGE,
                     f"a {op or 'frame without op first'} frame of {length} bytes; only "
-                    f"{' and '.join(sorted(LARGE_OPS))} may exceed {SMALL_FRAME_BYTES} bytes",
+                    f"{', '.join(sorted(LARGE_OPS))} may exceed {SMALL_FRAME_BYTES} bytes",
                 )
             )
 

@@ -11,6 +11,9 @@ with Stager() as stager:
 state = load("/ckpt/step-1000")         # from shmstaged's memory when it still holds it
 prepare_restore("cuda")                  # restart script, before building the model: staging made
 restored = latest(device="cuda")         # after a crash: the newest checkpoint, no path needed
+stager.publish(model.state_dict(), "policy", step=7)   # readers on this node: a version
+with subscribe("policy").wait(newer_than=6) as version:  # another process: woken, pinned
+    model.load_state_dict(version.state(device="cuda"))
 """
 
 from shmstage.checkpoint import CheckpointError, ChecksumError
@@ -30,8 +33,11 @@ from shmstage_client.errors import (
 from shmstage_client.restore.restoring import Restored, latest, load, prepare_restore, restore
 from shmstage_client.save.guard import Guard
 from shmstage_client.save.handle import SaveEvent, SaveHandle, SaveResult, SaveTimings
+from shmstage_client.save.publish import Published
 from shmstage_client.save.staged import Staged
 from shmstage_client.save.stager import ReserveInfo, Stager
+from shmstage_client.subscribe.subscriber import NoNewVersion, Subscriber, subscribe
+from shmstage_client.subscribe.version import Version, VersionExpired
 
 __version__ = "0.1.0"
 __all__ = [
@@ -43,7 +49,9 @@ __all__ = [
     "DaemonUnavailable",
     "DestinationError",
     "Guard",
+    "NoNewVersion",
     "PersistError",
+    "Published",
     "ReserveInfo",
     "Restored",
     "SaveError",
@@ -56,9 +64,13 @@ __all__ = [
     "Staged",
     "Stager",
     "StagingLimitExceeded",
+    "Subscriber",
     "UnsupportedValue",
+    "Version",
+    "VersionExpired",
     "latest",
     "load",
     "prepare_restore",
     "restore",
+    "subscribe",
 ]

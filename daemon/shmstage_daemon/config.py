@@ -394,6 +394,7 @@ _SCHEMA: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "journal_dir": ("server", "journal_dir", _absolute_path),
     "allow_disk_journal": ("server", "allow_disk_journal", _bool),
     "restore_groups": ("server", "restore_groups", _groups),
+    "publish_groups": ("server", "publish_groups", _groups),
     "shm_budget": ("limits", "shm_budget", _budget),
     "max_bytes": ("limits", "max_bytes", _optional_size),
     "max_segments": ("limits", "max_segments", _int_at_least(1)),
@@ -477,6 +478,8 @@ class Config:
     direct_io: bool = True
     fsync: str = "always"
     restore_groups: frozenset[int] = frozenset()
+    #: Groups a publisher may share its channels with (``publish(..., share=...)``).
+    publish_groups: frozenset[int] = frozenset()
     # A restart usually comes within minutes (torchrun, a scheduler's requeue); after half
     # an hour it most likely lands elsewhere, and the memory is better given back. Retained
     # memory yields to any registration and to memory pressure, so the budget may be large.

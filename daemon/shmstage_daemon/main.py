@@ -318,6 +318,7 @@ def settings_of(config: Config) -> Settings:
         journal_root=config.journal_dir,
         allow_disk_journal=config.allow_disk_journal,
         config_source=config.source,
+        publish_gids=config.publish_groups,
         retention=RetentionPolicy(
             ttl=config.retain_ttl,
             budget_bytes=config.retain_budget_bytes,
@@ -360,7 +361,8 @@ def describe(config: Config) -> str:
         f"{format_size(config.retain_min_free_bytes)}; leases {config.lease_seconds:g} s "
         f"(at most {config.max_lease_seconds:g} s, {config.max_leases} per uid, revoked "
         f"{config.revoke_grace:g} s after their memory is due); "
-        f"restore_groups {sorted(config.restore_groups)}",
+        f"restore_groups {sorted(config.restore_groups)}, "
+        f"publish_groups {sorted(config.publish_groups)}",
         f"  storage          writer_threads {config.writer_threads}, io_threads "
         f"{config.io_threads}, fsync {config.fsync}",
         f"  data writes      write_chunk {format_size(int(config.write_chunk))}, write_buffers "

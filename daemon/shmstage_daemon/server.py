@@ -33,11 +33,13 @@ from shmstage import descriptors, instance, segment
 from shmstage.protocol import ErrorCode
 from shmstage_daemon import __version__, faults, inflight, journal, retention, scheduler
 from shmstage_daemon.admission import Peer
+from shmstage_daemon.channels import Channels
 from shmstage_daemon.commits import Commits
 from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.jobs import Jobs
 from shmstage_daemon.listener import Listener, StartupError
 from shmstage_daemon.owed import Owed
+from shmstage_daemon.publishing import Publishing
 from shmstage_daemon.registration import Registration
 from shmstage_daemon.restores import Restores
 from shmstage_daemon.segments import Segments, check_capacity
@@ -80,6 +82,12 @@ class Daemon:
             settings.retention,
             self.telemetry,
             self.segments.unlink_later,
+            self._lease_ended,
+        )
+        self.channels = Channels(
+            self.store,
+            lambda: self.retention.policy,
+            lambda: self.settings.publish_gids,
             self._lease_ended,
         )
         self.listener = Listener(settings, self._open_session, self.track)
@@ -388,8 +396,8 @@ class Daemon:
             self.segments.unlink_later(names)
 
     def _lease_ended(self, staged: StagedLayout, slot: Slot) -> None:
-        """The last lease on a slot ended: a waiting fill may take it, a released layout
-        only the lease kept may go."""
+        """The last lease or pin on a slot ended: a waiting fill may take it, a released
+        layout only the lease kept may go."""
         self.store.hand_over(staged, slot)
         self._collect(staged)
 
@@ -444,6 +452,8 @@ class Daemon:
         session.serve(registration.ops())
         session.serve(commits.ops(), on_close=commits.close)
         session.serve(restores.ops())
+        publishing = Publishing(session, self.store, self.channels)
+        session.serve(publishing.ops(), on_close=publishing.close)
         session.serve(Asking(self.status, session).ops())
         self.sessions[session.id] = session
         asyncio.get_running_loop().create_task(session.run())

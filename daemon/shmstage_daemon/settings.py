@@ -36,6 +36,8 @@ class Settings:
     #: Where instances' journal directories live; memory-backed unless allow_disk_journal.
     journal_root: Path = Path("/dev/shm")
     allow_disk_journal: bool = False
+    #: Groups a publisher may share a channel with; their members may subscribe to it.
+    publish_gids: frozenset[int] = frozenset()
     #: Checkpoints kept in memory for a restarted trainer, and leases on them.
     retention: retention.RetentionPolicy = field(default_factory=retention.RetentionPolicy)
 
@@ -48,4 +50,5 @@ class Settings:
         "default_slots",
         "operator_gids",
         "retention",
+        "publish_gids",
     )

@@ -10,18 +10,22 @@ staging buffers being refilled while a writer still reads them.
 A slot also remembers the checkpoint it holds (``Held``): from the moment its commit is
 acknowledged — the bytes are complete then — until the slot is acquired again for a refill.
 Readers restoring from memory lease it (``leases``); a leased slot is never acquired, so
-what they read cannot change under them.
+what they read cannot change under them. A slot may also be a published version of a
+channel (``version``, see ``channels``), which subscribers pin (``pins``) the same way.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage.segment import SegmentRef
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
+#: Slot keys, unique in the daemon's life: a subscriber maps each slot once by its key.
+_serials = itertools.count(1)
 
 
 class SlotState(enum.Enum):
@@ -76,24 +80,32 @@ class Slot:
     held: Held | None = None
     #: Ids of the readers' leases on it; while any is left, it is not acquired.
     leases: set[int] = field(default_factory=set)
+    #: The channel version these bytes are (``channels.Version``), until the next acquire,
+    #: and the ids of subscribers' pins on it: pinned, it is not acquired either.
+    version: Any = None
+    pins: set[int] = field(default_factory=set)
+    serial: int = field(default_factory=lambda: next(_serials))
 
     @property
     def leased(self) -> bool:
-        return bool(self.leases)
+        """Read by someone (a lease or a pin): never acquired, given back or adopted."""
+        return bool(self.leases or self.pins)
 
     @property
     def age(self) -> int:
-        """Which free slot a fill takes first: the one holding the oldest checkpoint (job
-        ids only grow), one holding nothing before any."""
-        return -1 if self.held is None else self.held.job
+        """Which free slot a fill takes first: the one holding the oldest checkpoint or
+        version (job and version ids come from one counter and only grow), one holding
+        nothing before any."""
+        held = -1 if self.held is None else self.held.job
+        return max(held, -1 if self.version is None else self.version.id)
 
     def acquire(self, session: int) -> None:
         if self.state is not SlotState.FREE:
             raise SlotError(f"slot {self.index} is {self.state.value}")
-        if self.leases:
-            raise SlotError(f"slot {self.index} is leased by a reader")
+        if self.leased:
+            raise SlotError(f"slot {self.index} is leased or pinned by a reader")
         self.state, self.holder = SlotState.FILLING, session
-        self.held = None  # its bytes are about to change
+        self.held = self.version = None  # its bytes are about to change
 
     def _check_holder(self, session: int, action: str) -> None:
         if self.state is not SlotState.FILLING or self.holder != session:

@@ -398,6 +398,10 @@ class Store:
             raise StoreError(ErrorCode.BAD_REQUEST, f"layout {staged.id} has no slot {index}")
         return staged.slots[index]
 
+    def next_id(self) -> int:
+        """A new job or version id: one counter, so that a slot's age orders both."""
+        return next(self._job_ids)
+
     def begin_job(self, session: int, staged: StagedLayout, slot: Slot) -> int:
         usage = self.user(session)
         if usage.jobs >= self.limits.max_user_jobs:

@@ -130,12 +130,12 @@ def test_an_oversized_length_is_refused_before_the_payload_arrives() -> None:
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
 
 
-def test_only_register_and_commit_may_be_large_known_before_they_arrive() -> None:
+def test_only_register_commit_and_publish_may_be_large_known_before_they_arrive() -> None:
     """A 31 MiB "hello" is refused from its first 64 bytes: nothing is buffered or decoded."""
     daemon = Connection(Role.DAEMON)
     head = msgpack.packb({"op": "hello", "id": 1, "nfds": 0, "client": "x" * 100})
     daemon.receive_data(struct.pack(">I", 31 << 20) + head)
-    with pytest.raises(ProtocolError, match="only commit and register may exceed") as info:
+    with pytest.raises(ProtocolError, match="only commit, publish, register may exceed") as info:
         daemon.next_frame()
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
     _client, greeted = greeted_daemon_side()

@@ -468,7 +468,7 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
         "server": ["socket_path", "allowed_users", "allowed_groups", "operator_groups",
                    "shutdown_timeout", "metrics_port", "metrics_socket", "journal_dir",
                    "allow_disk_journal",
-                   "restore_groups"],
+                   "restore_groups", "publish_groups"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "max_connections", "max_prepared", "max_journal_bytes", "max_buffered_bytes",
                    "default_slots"],
@@ -494,8 +494,8 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
                 value = parse_size(value)  # a size written with its unit
             if field == "allowed_users":
                 assert value == [] and defaults.allowed_users == {os.getuid(), 0}
-            elif field == "restore_groups":
-                assert value == [] and defaults.restore_groups == frozenset()
+            elif field in ("restore_groups", "publish_groups"):
+                assert value == [] and getattr(defaults, field) == frozenset()
             elif isinstance(getattr(defaults, field), Path):
                 assert getattr(defaults, field) == Path(value), f"[{table}] {key}"
             elif isinstance(getattr(defaults, field), frozenset):

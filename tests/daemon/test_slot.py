@@ -77,7 +77,7 @@ def test_a_leased_slot_is_never_acquired_so_a_reader_sees_its_bytes_unchanged() 
     slot = fresh()
     slot.held = held()
     slot.leases.add(1)
-    with pytest.raises(SlotError, match="leased by a reader"):
+    with pytest.raises(SlotError, match="leased or pinned by a reader"):
         slot.acquire(CLIENT)
     assert slot.state is SlotState.FREE and slot.held is not None
 

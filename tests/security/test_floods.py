@@ -194,7 +194,7 @@ def test_memory_floods_are_bounded(watched, victim: User, attacker: User, arena:
     assert peak - baseline < 400 << 20, f"RSS grew by {(peak - baseline) >> 20} MiB"
     log = daemon.log()
     assert "max_buffered_bytes" in log
-    assert "only commit and register may exceed" in log
+    assert "only commit, publish, register may exceed" in log
     assert "decodes to more than" in log
     assert "internal error" not in log
 

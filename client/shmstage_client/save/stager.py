@@ -56,6 +56,8 @@ from shmstage_client.save.handle import Clock, ProgressCallback, SaveHandle, Sav
 from shmstage_client.save.handover import FollowUp, Handover, Landing
 from shmstage_client.save.layouts import Layouts
 from shmstage_client.save.slots import CopyEngine
+from shmstage_client.save.publish import Published, check_step, publish_saved
+from shmstage_client.save.publish import publish as _publish
 from shmstage_client.save.staged import Destination, Staged
 from shmstage_client.statedict import Flattened, check_fits
 
@@ -216,6 +218,7 @@ class Stager:
         block: bool = True,
     ) -> SaveHandle:
         """Stage ``state_dict`` and commit it to be written to the new directory ``path``.
+        publish: str | None = None,
 
         Returns once every tensor is copied: the caller may then change its tensors. The
         daemon then writes the checkpoint; ``SaveHandle.wait()`` reports the outcome, and
@@ -240,7 +243,14 @@ class Stager:
         meanwhile, and starts nothing until the client reports the copy complete.
         """
         clock = Clock()
+
+        ``publish``: also make the staged copy the newest version of this channel (see
+        ``publish``), at step ``metadata["step"]``, once the daemon owns it — the same
+        bytes, no second copy. Only with ``block=True``.
         with collection_paused():
+        if publish is not None and not block:
+            raise ValueError("save(..., publish=) needs block=True; publish() after it")
+        step = None if publish is None else check_step((metadata or {}).get("step"))
             self._await_landing(clock)
             flat = Flattened.of(state_dict, offsets)
             flat.check(self._layouts.signature)
@@ -267,11 +277,39 @@ class Stager:
             handle = staged.complete(destination, early)
             clock.lap("commit")
         self._staged(handle, clock.timings(), destination)
+            if publish is not None and step is not None and handle.job is not None:
+                publish_saved(
+                    self._connection, staged.layout_id, staged.slot, handle.job, publish, step,
+                    (), self.request_timeout,
+                )  # fmt: skip
         self._layouts.add_slots_soon(self.request_timeout)
         return handle
 
     def reserve(
         self,
+    def publish(
+        self,
+        state_dict: Any,
+        name: str,
+        *,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        block: bool = True,
+        share: Sequence[int | str] = (),
+    ) -> Published:
+        """Stage ``state_dict`` as ``save()`` does, but for readers on this node instead of
+        a disk: its copy becomes version ``step`` of channel ``name`` (this user's), visible
+        to subscribers (``shmstage_client.subscribe``) at once and whole, never torn.
+        Returns once the version is visible. ``step`` must grow from one publish to the
+        next; ``metadata``: JSON values the readers get with it; ``share``: groups whose
+        members may subscribe too (allowed by shmstaged's ``[server] publish_groups``).
+        The slots are the channel's ring; when every free one is pinned by readers, this
+        waits for a pin to end (pins are bounded in time), or with ``wait_for_slot=False``
+        raises SlotUnavailable. ``block=False`` is not supported yet (it raises)."""
+        if not block:
+            raise ValueError("publish(..., block=False) is not supported yet; use block=True")
+        return _publish(self, state_dict, name, step=step, metadata=metadata, share=share)
+
         state_dict: Any,
         *,
         offsets: Mapping[str, Sequence[int]] | None = None,

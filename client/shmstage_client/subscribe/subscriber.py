@@ -1,0 +1,226 @@
+"""``subscribe``: follow a channel's newest published weights from another process.
+
+A trainer publishes each step's weights (``Stager.publish``); a rollout worker, an
+evaluator or a serving sidecar on the same node follows them::
+
+    with shmstage_client.subscribe("policy") as subscriber:
+        step = None
+        while training:
+            with subscriber.wait(newer_than=step, timeout=600) as version:
+                model.load_state_dict(version.state(device="cuda"))
+                step = version.step
+
+The subscriber's connection stays open: the daemon pushes a frame when a new version is
+visible, so ``wait`` wakes at once and never polls. ``wait`` then pins the newest version
+(``version``) and, the first time a version lands in a slot of the publisher's ring, maps
+that slot read-only (``ring``) — kept for every later version there. Closing the
+subscriber (or its process dying) ends its pins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import time
+from typing import Any, Final
+
+from shmstage.layout import Layout
+from shmstage_client.connection import DaemonConnection, RequestHandle
+from shmstage_client.errors import DaemonLost, DaemonRefused, SaveError, SaveTimeout
+from shmstage_client.restore.lease import lease_batch
+from shmstage_client.subscribe.ring import Ring
+from shmstage_client.subscribe.version import PIN_MARGIN_S, Version
+
+log = logging.getLogger("shmstage.client")
+
+#: Seconds to wait for the daemon's answers (this bounds a hung daemon, not a version).
+REQUEST_TIMEOUT: Final = 30.0
+
+
+class NoNewVersion(SaveTimeout):
+    """``wait`` timed out: no version newer than asked became visible."""
+
+
+def subscribe(
+    name: str,
+    *,
+    owner: int | str | None = None,
+    socket: str | os.PathLike[str] | None = None,
+) -> Subscriber:
+    """Follow channel ``name`` of ``owner`` (a uid or user name; default: this process's
+    user). Another user's channel must be shared with one of this user's groups
+    (``publish(..., share=[group])``); otherwise this raises DaemonRefused. One's own
+    channel may be followed before its first version."""
+    return Subscriber(name, owner=owner, socket=socket)
+
+
+class Subscriber:
+    """A channel followed on a connection of its own (see the module)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        owner: int | str | None = None,
+        socket: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.name = name
+        self._connection = DaemonConnection(
+            socket, client_name=f"shmstage-subscriber pid {os.getpid()}"
+        )
+        body: dict[str, Any] = {"name": name}
+        if owner is not None:
+            body["owner"] = owner if isinstance(owner, int) else pwd.getpwnam(owner).pw_uid
+        self._events: RequestHandle | None = None
+        self._ring: Ring | None = None
+        try:
+            self._events = self._connection.start("subscribe", body)
+            reply = self._events.next(REQUEST_TIMEOUT)
+        except BaseException:
+            self.close()
+            raise
+        self.channel: int = reply.body["channel"]
+        #: The newest step the daemon announced (None: no version yet).
+        self.newest: int | None = reply.body["newest"]
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait(self, newer_than: int | None = None, timeout: float | None = None) -> Version:
+        """The newest version newer than step ``newer_than`` (any, if None), pinned: waits
+        until the publisher publishes one, at most ``timeout`` seconds (None: for ever),
+        then raises NoNewVersion. Use the Version as a context manager (or ``close()`` it):
+        its slot is not refilled while it is pinned, and the publisher may wait for it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._take_announcements()
+        while True:
+            if self._wanted(newer_than):
+                version = self._pin(newer_than)
+                if version is not None:
+                    return version
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise NoNewVersion(
+                    f"no version of channel {self.name!r} newer than step {newer_than} "
+                    f"within {timeout} s (newest announced: {self.newest})"
+                )
+            self._announced(self._next_event(left))
+
+    def _wanted(self, newer_than: int | None) -> bool:
+        return self.newest is not None and (newer_than is None or self.newest > newer_than)
+
+    def _next_event(self, timeout: float | None) -> Any:
+        assert self._events is not None
+        try:
+            return self._events.next(timeout)
+        except SaveTimeout:
+            return None
+
+    def _take_announcements(self) -> None:
+        """Read the announcements that arrived since the last wait, without blocking."""
+        while (frame := self._next_event(0)) is not None:
+            self._announced(frame)
+
+    def _announced(self, frame: Any) -> None:
+        if frame is None:
+            return
+        if frame.op != "version":
+            raise DaemonLost(f"shmstaged sent {frame.op} on a subscription")
+        step = frame.body["step"]
+        if self.newest is None or step > self.newest:
+            self.newest = step
+
+    def _pin(self, newer_than: int | None) -> Version | None:
+        """Pin the newest version and map its slot if this is its first version here;
+        None when it was gone by then (refilled, its publisher gone): wait for the next."""
+        asked = time.monotonic()
+        body: dict[str, Any] = {"channel": self.channel, "newer_than": newer_than}
+        body["max_fds"] = lease_batch()
+        handle = self._connection.start("pin", body)
+        try:
+            try:
+                reply = handle.next(REQUEST_TIMEOUT)
+            except DaemonRefused as exc:
+                if exc.code == "not_retained":
+                    return None
+                raise
+            pinned = reply.body
+            unpin = self._unpin
+            try:
+                ring = self._ring_for(pinned)
+                self._receive(handle, ring, pinned)
+            except BaseException:
+                unpin(pinned["pin"])
+                raise
+        finally:
+            handle.finish()
+        if self.newest is None or pinned["step"] > self.newest:
+            self.newest = pinned["step"]
+        return Version(
+            step=pinned["step"],
+            metadata=pinned["metadata"],
+            encoded=pinned["tree"],
+            ring=ring,
+            slot=pinned["slot"],
+            pin=pinned["pin"],
+            expires=asked + pinned["seconds"] - PIN_MARGIN_S,
+            unpin=unpin,
+        )
+
+    def _ring_for(self, pinned: dict[str, Any]) -> Ring:
+        """This version's ring: the one mapped, or a new one (the publisher's structure
+        changed: the old one is retired once no version reads it)."""
+        if self._ring is not None and self._ring.id == pinned["ring"]:
+            return self._ring
+        if "tensors" not in pinned:
+            raise DaemonLost("shmstaged pinned a version of a new ring without its structure")
+        layout = Layout.from_wire(pinned["tensors"], max_tensors=1 << 30)
+        ring = Ring(pinned["ring"], layout, pinned["sizes"])
+        if self._ring is not None:
+            self._ring.retire()
+        self._ring = ring
+        return ring
+
+    def _receive(self, handle: RequestHandle, ring: Ring, pinned: dict[str, Any]) -> None:
+        """Map the slot's segments, which follow the answer when this connection was not
+        sent them before."""
+        slot, count = pinned["slot"], pinned["segments"]
+        if not count:
+            if not ring.has(slot):
+                raise DaemonLost(f"shmstaged sent no segments for slot {slot}, never mapped")
+            return
+        received = 0
+        try:
+            while received < count:
+                frame = handle.next(REQUEST_TIMEOUT)
+                fds = frame.fds
+                if frame.op != "ring_fds" or frame.body["first"] != received:
+                    for fd in fds:
+                        os.close(fd)
+                    raise DaemonLost(f"unexpected {frame.op} while receiving a ring's slot")
+                ring.map(slot, received, fds)
+                received += len(fds)
+        except BaseException:
+            ring.drop(slot)
+            raise
+
+    def _unpin(self, pin: int) -> bool:
+        try:
+            reply = self._connection.call("unpin", {"pin": pin}, timeout=REQUEST_TIMEOUT)
+        except SaveError:
+            return False
+        return bool(reply.body.get("held"))
+
+    def close(self) -> None:
+        """End the subscription and every pin it holds (the connection's end does)."""
+        if self._events is not None:
+            self._events.finish()
+            self._events = None
+        self._connection.close()
+        if self._ring is not None:
+            self._ring.retire()
+            self._ring = None

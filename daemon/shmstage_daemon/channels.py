@@ -1,0 +1,360 @@
+"""Channels: the newest weights a publisher hands to readers on its node, as versions that
+readers pin.
+
+A trainer that publishes (``Stager.publish``) fills a slot of its layout as a save does;
+then, instead of a commit, the filled slot becomes version ``step`` of its channel — its
+uid's ``name``. The rules:
+
+- *Whole or nothing.* A version is made only from a slot whose copy is complete (the
+  publisher's "publish" comes after it; a publisher that dies before leaves a FILLING slot,
+  which is freed, never a version). ``save(..., publish=name)`` publishes the slot of an
+  acknowledged commit: the same bytes, no second copy.
+- *Immutable.* A slot holding a version is refilled only when its publisher acquires it
+  again, which forgets the version first; a *pinned* slot is never acquired. So what a
+  reader pins cannot change while the pin holds.
+- *Increasing.* A channel's versions grow in step, strictly, for as long as the channel
+  exists (while it has a version alive or a subscriber): a publish of an older or equal
+  step is refused.
+- *The ring.* A channel's versions live in the slots of its publisher's layout, a fixed
+  ring that readers map once, slot by slot (``Slot.serial``), and keep. A publisher whose
+  structure changes registers a new layout: a new ring.
+- *Lifetime.* A version lives while its slot holds it and its layout is the daemon's — a
+  live publisher's, or retained after it went (``retention``: only a layout whose slot
+  holds an acknowledged checkpoint, as with ``save(..., publish=)``). A publish-only
+  layout is released when its publisher goes: its versions are then gone for new pins,
+  and pinned ones stay readable until their pins end.
+- *Pins are bounded like leases*: each lasts ``[retention] lease_seconds`` (at most
+  ``max_lease_seconds``), one uid holds at most ``max_leases`` pins (leases are counted
+  apart), and pins die with their connection. A publisher whose free slots are all
+  pinned waits for one to end (at most a pin's time) — the daemon never revokes a pin.
+  A reader other than the owner never pins the last unpinned slot of a layout with
+  several, so the owner's next publish always has a slot, or waits for its own readers.
+- *Access.* A channel is its owner's; the owner may share it with groups that the
+  daemon's ``[server] publish_groups`` allows (``share``); members of those groups may
+  subscribe and pin. Anyone else is told there is no such channel shared with them,
+  whether or not it exists.
+
+Only the event loop calls into this module; it does no I/O (timers go through
+``schedule``), so its rules are tested without a daemon (``tests/daemon/test_channels``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shmstage.protocol import ErrorCode
+from shmstage_daemon.admission import Peer
+from shmstage_daemon.retention import RetentionPolicy
+from shmstage_daemon.slot import Slot
+from shmstage_daemon.store import StagedLayout, Store, StoreError
+
+#: A channel's name: what a reader subscribes to.
+MAX_NAME = 128
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+Schedule = Callable[[float, Callable[[], None]], Timer]
+
+
+def call_later(delay: float, fn: Callable[[], None]) -> Timer:
+    return asyncio.get_running_loop().call_later(delay, fn)
+
+
+@dataclass(eq=False)
+class Version:
+    """One published state: a slot's bytes under a step. ``id`` orders it among the slots'
+    checkpoints and versions (``Slot.age``)."""
+
+    id: int
+    step: int
+    #: The channel's id.
+    channel: int
+    staged: StagedLayout
+    slot: Slot
+    tree: Any
+    metadata: dict[str, Any]
+
+
+@dataclass(eq=False)
+class Subscription:
+    """A connection following a channel; ``notify`` is told each new newest step."""
+
+    session: int
+    peer: Peer
+    notify: Callable[[int], None]
+
+
+@dataclass(eq=False)
+class Channel:
+    id: int
+    uid: int
+    name: str
+    #: Groups whose members may read it (as the publisher asked, within publish_groups).
+    shared: frozenset[int] = frozenset()
+    #: Versions possibly still alive, oldest first (``Channels.current`` says which).
+    versions: list[Version] = field(default_factory=list)
+    #: The highest step ever published while the channel existed.
+    last_step: int | None = None
+    subscribers: dict[int, Subscription] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Pin:
+    id: int
+    session: int
+    uid: int
+    version: Version
+    granted: float
+    expires: float
+    timer: Timer | None = None
+
+
+def check_name(name: str) -> None:
+    if not 0 < len(name) <= MAX_NAME or not name.isprintable():
+        raise StoreError(
+            ErrorCode.BAD_REQUEST,
+            f"channel name {name[:MAX_NAME]!r} must be 1 to {MAX_NAME} printable characters",
+        )
+
+
+class Channels:
+    """Every channel, its versions, its subscribers, and the pins on its versions."""
+
+    def __init__(
+        self,
+        store: Store,
+        policy: Callable[[], RetentionPolicy],
+        publish_groups: Callable[[], frozenset[int]],
+        on_free: Callable[[StagedLayout, Slot], None],
+        schedule: Schedule = call_later,
+    ) -> None:
+        self._store = store
+        #: Read at each use: a reload may change them.
+        self._policy = policy
+        self._publish_groups = publish_groups
+        #: The last pin on a slot ended: a waiting fill may take it, a released layout go.
+        self._on_free = on_free
+        self._schedule = schedule
+        self.channels: dict[tuple[int, str], Channel] = {}
+        self.by_id: dict[int, Channel] = {}
+        self.pins: dict[int, Pin] = {}
+        self._channel_ids = itertools.count(1)
+        self._pin_ids = itertools.count(1)
+
+    # -- versions ----------------------------------------------------------------
+
+    def current(self, version: Version) -> bool:
+        """Whether a version is still there to be pinned (see the module's *Lifetime*)."""
+        staged, slot = version.staged, version.slot
+        return (
+            slot.version is version
+            and not staged.released
+            and self._store.layouts.get(staged.id) is staged
+            and slot in staged.slots
+        )
+
+    def newest(self, channel: Channel) -> Version | None:
+        channel.versions = [v for v in channel.versions if self.current(v)]
+        return channel.versions[-1] if channel.versions else None
+
+    def publish(
+        self,
+        uid: int,
+        name: str,
+        step: int,
+        staged: StagedLayout,
+        slot: Slot,
+        *,
+        tree: Any,
+        metadata: dict[str, Any],
+        share: Collection[int] = (),
+    ) -> tuple[Version, list[Subscription]]:
+        """Make ``slot`` (filled, its copy complete) version ``step`` of ``uid``'s channel
+        ``name``; returns it and the subscriptions to tell. The caller has checked that the
+        publisher holds the slot (or that it holds the commit being published)."""
+        check_name(name)
+        allowed = self._publish_groups()
+        refused = sorted(set(share) - allowed)
+        if refused:
+            raise StoreError(
+                ErrorCode.NOT_ALLOWED,
+                f"channel {name!r} cannot be shared with gid(s) {refused}: shmstaged's "
+                "[server] publish_groups does not list them; ask its operator, or share "
+                "with a listed group",
+            )
+        channel = self.channels.get((uid, name))
+        if channel is not None and channel.last_step is not None and step <= channel.last_step:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"step {step} of channel {name!r} is not newer than its step "
+                f"{channel.last_step}: versions of a channel only grow in step; publish a "
+                "larger step (or a new channel name)",
+            )
+        if not -(1 << 63) <= step < 1 << 63:
+            raise StoreError(ErrorCode.BAD_REQUEST, f"step {step} does not fit 64 bits")
+        if channel is None:
+            channel = self._open(uid, name)
+        version = Version(self._store.next_id(), step, channel.id, staged, slot, tree, metadata)
+        slot.version = version
+        channel.versions = [v for v in channel.versions if self.current(v)] + [version]
+        channel.last_step = step
+        channel.shared = frozenset(share)
+        told = [s for s in channel.subscribers.values() if self.may_read(s.peer, channel)]
+        return version, told
+
+    def _open(self, uid: int, name: str) -> Channel:
+        channel = Channel(next(self._channel_ids), uid, name)
+        self.channels[(uid, name)] = channel
+        self.by_id[channel.id] = channel
+        return channel
+
+    def _prune(self, channel: Channel) -> None:
+        """Forget a channel with nothing alive and nobody following it."""
+        if channel.subscribers or self.newest(channel) is not None:
+            return
+        if any(pin.version.channel == channel.id for pin in self.pins.values()):
+            return  # its step must keep growing while a reader holds one of its versions
+        self.channels.pop((channel.uid, channel.name), None)
+        self.by_id.pop(channel.id, None)
+
+    # -- readers -----------------------------------------------------------------
+
+    def may_read(self, peer: Peer, channel: Channel) -> bool:
+        if peer.uid == channel.uid:
+            return True
+        return bool((peer.groups | {peer.gid}) & channel.shared & self._publish_groups())
+
+    def subscribe(
+        self, session: int, peer: Peer, owner: int, name: str, notify: Callable[[int], None]
+    ) -> tuple[Channel, Version | None]:
+        """Follow ``owner``'s channel ``name``; returns it and its newest version now.
+
+        One's own channel may be followed before its first version; another user's only
+        once it exists and is shared with one of the follower's groups (refused the same
+        way otherwise, so that the refusal tells nothing about other users' channels)."""
+        check_name(name)
+        if any(session in channel.subscribers for channel in self.channels.values()):
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                "this connection already follows a channel; subscribe to another on a "
+                "connection of its own",
+            )
+        channel = self.channels.get((owner, name))
+        if owner != peer.uid and (channel is None or not self.may_read(peer, channel)):
+            raise StoreError(
+                ErrorCode.NOT_ALLOWED,
+                f"uid {peer.uid} may not follow channel {name!r} of uid {owner}: it is not "
+                "shared with any of its groups (or not published yet); its publisher "
+                "shares it with publish(..., share=[group]) for a group in shmstaged's "
+                "[server] publish_groups",
+            )
+        if channel is None:
+            channel = self._open(owner, name)
+        channel.subscribers[session] = Subscription(session, peer, notify)
+        return channel, self.newest(channel)
+
+    def pin(
+        self,
+        session: int,
+        peer: Peer,
+        channel_id: int,
+        newer_than: int | None,
+        seconds: float | None,
+        now: float,
+    ) -> Pin:
+        """Pin the channel's newest version, if newer than ``newer_than``: its slot is not
+        refilled until ``unpin``, the pin's time, or the connection's end."""
+        channel = self.by_id.get(channel_id)
+        if channel is None or session not in channel.subscribers:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"this connection does not follow channel {channel_id}; subscribe first",
+            )
+        if not self.may_read(peer, channel):  # a reload may have taken the sharing away
+            raise StoreError(
+                ErrorCode.NOT_ALLOWED,
+                f"channel {channel.name!r} of uid {channel.uid} is not shared with uid "
+                f"{peer.uid} any more",
+            )
+        version = self.newest(channel)
+        if version is None or (newer_than is not None and version.step <= newer_than):
+            raise StoreError(
+                ErrorCode.NOT_RETAINED,
+                f"channel {channel.name!r} has no version"
+                + (f" newer than step {newer_than}" if newer_than is not None else "")
+                + " in shmstaged's memory now; wait for the next one",
+            )
+        policy = self._policy()
+        mine = sum(1 for pin in self.pins.values() if pin.uid == peer.uid)
+        if mine >= policy.max_leases:
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {peer.uid} already holds {mine} pins (limit {policy.max_leases}, "
+                "[retention] max_leases); close versions it no longer reads",
+            )
+        slot, staged = version.slot, version.staged
+        others = [other for other in staged.slots if other is not slot]
+        if (
+            peer.uid != channel.uid
+            and others
+            and not slot.leased
+            and all(other.leased for other in others)
+        ):
+            raise StoreError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"every other slot of channel {channel.name!r} is pinned: "
+                f"uid {peer.uid} may not pin the last one (its publisher needs a slot); "
+                "retry once a pin ended",
+            )
+        if seconds is None:
+            seconds = policy.lease_seconds
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"pin.seconds {seconds!r} must be a finite number of seconds > 0",
+            )
+        seconds = min(seconds, policy.max_lease_seconds)
+        pin = Pin(next(self._pin_ids), session, peer.uid, version, now, now + seconds)
+        self.pins[pin.id] = pin
+        slot.pins.add(pin.id)
+        pin.timer = self._schedule(seconds, lambda: self._expire(pin.id))
+        return pin
+
+    def _expire(self, pin_id: int) -> None:
+        pin = self.pins.get(pin_id)
+        if pin is not None:
+            self._end(pin)
+
+    def unpin(self, session: int, pin_id: int) -> bool:
+        """End a pin; whether it still held (False: it had expired, or is not this
+        connection's)."""
+        pin = self.pins.get(pin_id)
+        if pin is None or pin.session != session:
+            return False
+        self._end(pin)
+        return True
+
+    def end_session(self, session: int) -> None:
+        """A connection went: its pins end, its subscription too."""
+        for pin in [pin for pin in self.pins.values() if pin.session == session]:
+            self._end(pin)
+        for channel in list(self.channels.values()):
+            if channel.subscribers.pop(session, None) is not None:
+                self._prune(channel)
+
+    def _end(self, pin: Pin) -> None:
+        del self.pins[pin.id]
+        if pin.timer is not None:
+            pin.timer.cancel()
+        slot = pin.version.slot
+        slot.pins.discard(pin.id)
+        if not slot.leased:
+            self._on_free(pin.version.staged, slot)
