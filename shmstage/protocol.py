@@ -116,8 +116,12 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # descriptors, see RLIMIT_NOFILE); the daemon sends the segments in batches that size.
     # ``planned_slots``: the slots the client will have once it adds the others
     # ("add_slots"): the limits must allow them now, and a retained layout this
-    # registration adopts keeps up to that many.
-    "register": {"tensors": _LIST, "slots": _INT, "max_fds": _INT, "planned_slots": _INT},
+    # registration adopts keeps up to that many. ``adopt_only``: adopt a retained layout
+    # of this user and structure, or create nothing (refused "not_retained").
+    "register": {
+        "tensors": _LIST, "slots": _INT, "max_fds": _INT, "planned_slots": _INT,
+        "adopt_only": _BOOL,
+    },
     # More slots for a registered layout (up to ``slots`` in all): a client registers one
     # slot for its first save and asks for the others once that save is on its way.
     "add_slots": {"layout": _INT, "slots": _INT, "max_fds": _INT},
@@ -304,7 +308,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "ready": frozenset({"stage_seconds", "slot_wait_seconds"}),
     # Without "slots" the daemon uses its configured default_slots; without "max_fds" it
     # sends as many descriptors per message as Linux allows.
-    "register": frozenset({"slots", "max_fds", "planned_slots"}),
+    "register": frozenset({"slots", "max_fds", "planned_slots", "adopt_only"}),
     "add_slots": frozenset({"max_fds"}),
     "welcome": frozenset({"default_slots"}),
     "report": frozenset(REPORT_PARTS),

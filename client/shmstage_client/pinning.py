@@ -15,6 +15,7 @@ fails later with error 712).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import warnings
 from collections.abc import Sequence
@@ -107,6 +108,19 @@ def unregister(bases: list[int]) -> list[str]:
             failures.append(runtime.error(code))
     bases.clear()
     return failures
+
+
+def region_pieces(region: segment.Region, count: int) -> list[tuple[int, int]]:
+    """A mapped range cut, at segment boundaries, into about ``count`` pieces of about
+    equal bytes, as (start, end) offsets: each is registered in one call, and a copy whose
+    host memory spans two registrations fails (cudaErrorInvalidValue)."""
+    count = max(1, count)
+    cuts = [0]
+    for offset in region.offsets[1:]:
+        if offset >= len(cuts) * region.size / count:
+            cuts.append(offset)
+    cuts.append(region.size)
+    return list(itertools.pairwise(cuts))
 
 
 def prefault(buffer: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ are added while that save persists (``add_slots``); each slot's segments go to t
 writable. ``acquire`` hands the client a free slot to fill (waiting for one, bounded);
 ``cancel`` gives a filling slot back, ``release`` the whole layout. A registration like
 one the same user's earlier trainer left retained takes that layout over (``_adopt``):
-its segments, and the checkpoint its newest slot holds, are the new client's.
+its segments, and the checkpoint its newest slot holds, are the new client's; with
+``adopt_only`` (a restart's ``prepare_restore``) nothing else is registered.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ class Registration:
             if self._session.open:
                 await self._registered(frame, *adopted, batch=batch, began=began)
             return
+        if frame.body.get("adopt_only"):  # a restore's adoption: never fresh segments
+            raise RequestError(
+                ErrorCode.NOT_RETAINED,
+                f"shmstaged retains no layout of uid {self._session.peer.uid} of this "
+                "structure that may be adopted (none, or a reader leases one of its slots); "
+                "register without adopt_only to get fresh segments",
+            )
         # room for every planned slot: the limits are checked for all of them now
         await self._retention.make_room(
             self._store.registration_bytes(layout, max(slots, planned)), self._session.peer.uid

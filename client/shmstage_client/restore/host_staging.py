@@ -66,11 +66,12 @@ def prepare(device: torch.device, nbytes: int | None = None, *, keep: float | No
     builds its model (``restoring.prepare_restore``)."""
     if device.type == "cuda" and torch.cuda.is_available():  # else the transfer says why
         readers = MAX_THREADS if nbytes is None else min(MAX_THREADS, -(-nbytes // CHUNK))
-        _SPARES.prepare(max(1, readers) * PIECES * PIECE, _registering(device), keep)
+        _SPARES.prepare(max(1, readers) * PIECES * PIECE, registering(device), keep)
 
 
-def _registering(device: torch.device) -> torch.device | None:
-    """The device whose context registers staging made ahead: ``device`` with its index,
+def registering(device: torch.device) -> torch.device | None:
+    """The device whose context registers memory made ahead (the staging, a prepared
+    restore's slots): ``device`` with its index,
     never device 0 by default (a new thread's), which would give each rank of a
     multi-GPU node a context there. A bare "cuda" is the current device once this process
     initialised CUDA, else its only device; None while that is unknown (several devices,
@@ -211,7 +212,7 @@ class _Spares:
         """Make a buffer of ``size`` bytes on a thread of its own, unless one that large
         is kept or coming, and keep it ``keep`` seconds for a restore to take: faulted in
         first, then registered in ``device``'s context (None: left for the transfer's
-        reader to register, see ``_registering``)."""
+        reader to register, see ``registering``)."""
         with self._cond:
             if self._coming or any(buffer.size >= size for buffer in self._buffers):
                 return

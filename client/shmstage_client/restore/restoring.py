@@ -48,10 +48,16 @@ from shmstage.packing import Packing
 from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection, expect_fds
 from shmstage_client.errors import DaemonRefused, SaveError
-from shmstage_client.restore import host_staging
+from shmstage_client.restore import adoption, host_staging
 from shmstage_client.restore.files import CheckpointFiles, torch_dtype, unflatten
 from shmstage_client.restore.lease import LeaseBroken, MemoryLease
-from shmstage_client.restore.transfer import Placement, transfer
+from shmstage_client.restore.sources import MappedSource
+from shmstage_client.restore.transfer import (
+    Placement,
+    transfer,
+    transfer_pinned,
+    verify_in_place,
+)
 from shmstage_client.statedict import Flattened
 
 log = logging.getLogger("shmstage.client")
@@ -128,6 +134,16 @@ def restore(
     try:
         with CheckpointFiles(path) as files:
             host_staging.prepare(device, sum(files.manifest.files.values()))
+            prepared = adoption.take(socket)
+            if prepared is not None and source != "files" and _prepared_holds(prepared, files):
+                state, nbytes, phases = _from_prepared(prepared, device, files.path)
+                restored = Restored(
+                    files.state(state), "memory", files.path, 0.0, nbytes, prepared.verified,
+                    True, files.manifest.metadata, prepared.info["job"], phases=phases,
+                )
+                return _handed_over(prepared, started, restored)
+            if prepared is not None:
+                prepared.drop()  # not this checkpoint: the daemon retains its layout again
             if source != "files":
                 try:
                     connection = connect(socket)
@@ -215,7 +231,14 @@ def latest(
     connection: DaemonConnection | None = None
     reason, named = "source='files'", None
     host_staging.prepare(device)
+    prepared = adoption.take(socket)
     try:
+        if prepared is not None and source != "files":
+            restored = _latest_prepared(prepared, device, like, under, started)
+            if restored is not None:
+                return restored
+        elif prepared is not None:
+            prepared.drop()
         if source != "files":
             try:
                 connection = connect(socket)
@@ -247,21 +270,32 @@ def latest(
             connection.close()
 
 
-def prepare_restore(device: str | torch.device = "cuda", *, keep: float = KEEP_AHEAD_S) -> None:
+def prepare_restore(
+    device: str | torch.device = "cuda",
+    *,
+    keep: float = KEEP_AHEAD_S,
+    socket: str | os.PathLike[str] | None = None,
+) -> None:
     """Get ready to restore to ``device`` while the process does other things: call it in
     a restart script once the device is chosen (``torch.cuda.set_device``, or any first
     CUDA call), before building the model, the optimizer and the process group; it
     returns at once.
 
-    A new process's first restore otherwise starts by making its pinned staging (256 MiB
-    faulted in and registered with CUDA: ~60 ms on the GPU VMs, which fault fresh memory
-    in at ~5 GB/s) and by growing its descriptor table for the lease's segments. Here
-    threads of its own do both while the model is built. The next restore (``latest``,
-    ``load``, ``restore``, the DCP reader) within ``keep`` seconds takes them; after that
-    they are freed, and at once when ``latest()`` finds no checkpoint to restore (a first
-    start). Nothing is asked of the daemon, and a restore needs no ``prepare_restore``.
-    Not before CUDA is initialised: the staging's faults then ran 5x slower and made the
-    initialisation 30-50 ms longer on an H200 VM, a wash.
+    On threads of its own, while the model is built, it adopts the layout this user's
+    previous trainer left retained in the daemon (``socket``) — the one holding the
+    user's newest checkpoint, unless a reader leases it — maps its slots, pins them with
+    CUDA and checks the checkpoint's tensors against their recorded checksums
+    (``restore.adoption``). ``latest()`` (or ``load``/``restore`` of that checkpoint)
+    within ``keep`` seconds then only copies it to the device, straight from the pinned
+    slot, and the process's next ``Stager`` takes the adopted layout over: its first save
+    maps, pins and creates nothing. Whatever no restore or Stager takes is given back
+    after ``keep`` seconds (the daemon retains the layout again). Where nothing can be
+    adopted (a first start, no daemon, a reader's lease), it makes the restore's pinned
+    staging (256 MiB faulted in and registered: ~60 ms on the GPU VMs) and grows the
+    descriptor table for a lease, as before; that staging is freed after ``keep``, and at
+    once when ``latest()`` finds no checkpoint to restore (a first start). A restore
+    needs no ``prepare_restore``. Not before CUDA is initialised: the staging's faults
+    then ran 5x slower and made the initialisation 30-50 ms longer on an H200 VM.
 
     On a node of several GPUs pass the rank's device ("cuda:3"), or call it after
     ``torch.cuda.set_device``: for a bare "cuda" before any CUDA call the device is not
@@ -274,6 +308,10 @@ def prepare_restore(device: str | torch.device = "cuda", *, keep: float = KEEP_A
         target=expect_fds, args=(LEASE_SEGMENTS,), name="shmstage-descriptors", daemon=True
     ).start()
     host_staging.prepare(device, keep=keep)
+    pinning = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        pinning = host_staging.registering(device)
+    adoption.prepare(pinning, socket, _check_ahead, keep)
 
 
 def check_source(source: str) -> None:
@@ -357,11 +395,15 @@ def specs_of(files: CheckpointFiles, name: str) -> list[Spec]:
 def placements_of(lease: MemoryLease, specs: list[Spec]) -> list[Placement]:
     """Where each tensor is in a leased slot's mapped range: the daemon packs a layout's
     segments as ``Packing`` says, which the tensors' sizes alone decide."""
+    return _placed(specs, lease.offsets(), lease.sizes)
+
+
+def _placed(specs: list[Spec], offsets: list[int], sizes: list[int]) -> list[Placement]:
+    """``placements_of`` segments mapped at ``offsets``, of ``sizes``."""
     nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in specs]
     packing = Packing.of(nbytes)
-    if list(packing.sizes) != lease.sizes:
+    if list(packing.sizes) != list(sizes):
         raise NotInMemory("the daemon's segments do not match the checkpoint's tensors")
-    offsets = lease.offsets()
     return [
         Placement(key, dtype, shape, offsets[which] + offset, size, crc)
         for (key, dtype, shape, crc), (which, offset), size in zip(
@@ -390,6 +432,87 @@ def _read(
             "or the daemon stopped): what was copied may be torn"
         )
     return tensors
+
+
+def _check_ahead(source: MappedSource, info: dict[str, Any], offsets: list[int]) -> None:
+    """A prepared restore's check of its adopted slot against the daemon's record, on the
+    host while the model is built (``adoption``); raises ChecksumError."""
+    placements = _placed(_recorded_specs(info), offsets, info["sizes"])
+    if any(p.crc32c is not None for p in placements):
+        verify_in_place(source, placements, threads=adoption.CHECK_THREADS)
+
+
+def _from_prepared(
+    prepared: adoption.PreparedRestore, device: torch.device, directory: Path
+) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+    """The prepared checkpoint's tensors on ``device``, its bytes and the seconds of the
+    copy: straight from the pinned slot to a CUDA device, else through ``transfer`` (its
+    checksums were checked ahead)."""
+    adopted, info = prepared.adopted, prepared.info
+    assert adopted is not None
+    region = adopted.regions[adopted.held]
+    placements = _placed(_recorded_specs(info), list(region.offsets), info["sizes"])
+    where = f"shmstaged's memory (job {info['job']}, {directory}, adopted)"
+    source = MappedSource(region.address, region.size, where)
+    begun = time.perf_counter()
+    if device.type == "cuda" and prepared.held_pieces:
+        tensors = transfer_pinned(source, prepared.held_pieces, placements, device)
+    else:
+        tensors = transfer(source, placements, device, verify=False)
+    phases = {**prepared.seconds, "transfer": time.perf_counter() - begun}
+    return tensors, sum(info["sizes"]), phases
+
+
+def _prepared_holds(prepared: adoption.PreparedRestore, files: CheckpointFiles) -> bool:
+    """Whether the prepared checkpoint is the one ``files`` opened (its manifest, durable)."""
+    info = prepared.info
+    return bool(info.get("durable")) and info.get("digest") == digest(files.document)
+
+
+def _latest_prepared(
+    prepared: adoption.PreparedRestore,
+    device: torch.device,
+    like: Any,
+    under: str | os.PathLike[str] | None,
+    started: float,
+) -> Restored | None:
+    """``latest()`` from what ``prepare_restore`` adopted, when it is what was asked for
+    (``like``'s structure, in ``under``); None (and it is given back) otherwise, or when
+    it cannot be read: the daemon is asked as usual."""
+    info = prepared.info
+    directory = Path(info["directory"])
+    adopted = prepared.adopted
+    assert adopted is not None
+    if (like is not None and _structure(like) != adopted.layout.digest()) or (
+        under is not None and directory.parent != _absolute(under)
+    ):
+        prepared.drop()
+        return None
+    try:
+        tensors, nbytes, phases = _from_prepared(prepared, device, directory)
+        state = unflatten(info.get("tree"), tensors, directory)
+    except FALLBACK as exc:
+        log.debug("the prepared restore could not be read (%s); asking the daemon", exc)
+        prepared.drop()
+        return None
+    restored = Restored(
+        state, "memory", directory, 0.0, nbytes, prepared.verified, info["durable"],
+        info.get("metadata") or {}, info["job"], reason=_changed_on_disk(info), phases=phases,
+    )
+    return _handed_over(prepared, started, restored)
+
+
+def _handed_over(
+    prepared: adoption.PreparedRestore, started: float, restored: Restored
+) -> Restored:
+    """A restore from a prepared adoption is done: reported on the connection that owns
+    the layout, which then goes to the next Stager (``handoff``); the staging made beside
+    it is not needed."""
+    assert prepared.adopted is not None
+    _report(prepared.adopted.connection, started, restored)
+    prepared.finish()
+    host_staging.release()
+    return restored
 
 
 def _latest(

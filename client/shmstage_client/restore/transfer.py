@@ -54,7 +54,7 @@ from shmstage.checkpoint import ChecksumError
 from shmstage.checksums import combine, expect_combines
 from shmstage_client import cudart
 from shmstage_client.restore import device_checks, host_staging
-from shmstage_client.restore.sources import Source, sum_spans
+from shmstage_client.restore.sources import MappedSource, Source, sum_spans
 
 log = logging.getLogger("shmstage.client")
 
@@ -65,6 +65,9 @@ log = logging.getLogger("shmstage.client")
 DEVICE_CHECKSUMS = os.environ.get("SHMSTAGE_DEVICE_CHECKSUMS", "0") == "1"
 #: Device memory left free beside the restored bytes and the check's working memory.
 DEVICE_HEADROOM: Final = 256 << 20
+#: Bytes per copy out of pinned memory (``transfer_pinned``): few calls, and a copy the
+#: stream queues while the one before it runs.
+PINNED_COPY: Final = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -424,13 +427,82 @@ class _Transfer:
             )
 
     def _tensor(self, placement: Placement) -> torch.Tensor:
-        if placement.nbytes == 0:
-            return torch.empty(placement.shape, dtype=placement.dtype, device=self.device)
-        start = self._lead + placement.offset
-        raw = self.destination[start : start + placement.nbytes]
-        if placement.offset % placement.dtype.itemsize:
-            raw = raw.clone()  # not aligned for its dtype here: a copy of its own
-        return raw.view(placement.dtype).view(placement.shape)
+        return _tensor_at(self.destination, self._lead, placement)
+
+    def check_in_place(self) -> None:
+        """Only the checksums, of bytes read where they are (``verify_in_place``)."""
+        assert isinstance(self.source, MappedSource)
+        source, chunk = self.source, host_staging.CHUNK
+        size = source.size
+        self._spans = iter([(lo, min(lo + chunk, size)) for lo in range(0, size, chunk)])
+
+        def read() -> None:
+            while (span := self._next_span()) is not None:
+                start, end = span
+                parts: dict[int, list[int]] = {}
+                spans, values, owners = self._tensor_spans(start, end, parts)
+                sum_spans(source.view(start, end), spans, values)
+                _extend(start, spans, values, owners, parts)
+                self._keep(parts)
+
+        with concurrent.futures.ThreadPoolExecutor(
+            self.threads, thread_name_prefix="shmstage-check"
+        ) as pool:
+            for done in [pool.submit(read) for _ in range(self.threads)]:
+                done.result()
+        self._check()
+
+
+def _tensor_at(destination: torch.Tensor, lead: int, placement: Placement) -> torch.Tensor:
+    """A placement's tensor: a view of ``destination`` ``lead`` bytes after its offset."""
+    if placement.nbytes == 0:
+        return torch.empty(placement.shape, dtype=placement.dtype, device=destination.device)
+    start = lead + placement.offset
+    raw = destination[start : start + placement.nbytes]
+    if placement.offset % placement.dtype.itemsize:
+        raw = raw.clone()  # not aligned for its dtype here: a copy of its own
+    return raw.view(placement.dtype).view(placement.shape)
+
+
+def verify_in_place(
+    source: MappedSource, placements: Sequence[Placement], *, threads: int
+) -> None:
+    """Check every placement with a recorded checksum against the mapped bytes, on
+    ``threads`` threads (the CRC releases the GIL); raises ChecksumError naming the first
+    that does not match. A prepared restore checks its adopted slot this way while the
+    model is built, so that ``latest()`` only copies."""
+    _Transfer(source, placements, torch.device("cpu"), True, threads).check_in_place()
+
+
+def transfer_pinned(
+    source: MappedSource,
+    ranges: Sequence[tuple[int, int]],
+    placements: Sequence[Placement],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Every placement's tensor on the CUDA ``device``, copied straight out of ``source``,
+    whose bytes are page-locked already in ``ranges`` ((start, end) offsets, each one
+    registration, together covering it: a copy never crosses two). Nothing is checked:
+    the caller verified the bytes (``verify_in_place``) where nothing can change them.
+
+    One pass over host memory, by the copy engine alone: what a restarted trainer's
+    ``latest()`` costs once ``prepare_restore`` adopted and pinned its slot."""
+    destination = torch.empty(source.size, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    runtime = _copy_runtime()
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.current_stream(device))  # the destination's allocation
+        for start, end in ranges:
+            for lo in range(start, end, PINNED_COPY):
+                hi = min(lo + PINNED_COPY, end)
+                if runtime is not None:
+                    target = destination.data_ptr() + lo
+                    runtime.copy_to_device(target, source.address + lo, hi - lo, stream.cuda_stream)
+                else:
+                    with torch.cuda.stream(stream):
+                        destination[lo:hi].copy_(_as_tensor(source.view(lo, hi)), non_blocking=True)
+    stream.synchronize()
+    return {p.key: _tensor_at(destination, 0, p) for p in placements}
 
 
 class _DeviceCheck:

@@ -29,6 +29,7 @@ from shmstage import segment
 from shmstage.layout import Layout
 from shmstage_client.connection import DaemonConnection, RequestHandle, receivable_fds
 from shmstage_client.errors import DaemonLost, SaveError
+from shmstage_client.handoff import AdoptedLayout
 from shmstage_client.save.slots import MappedLayout, device_groups
 from shmstage_client.statedict import Flattened
 
@@ -51,11 +52,19 @@ class Layouts:
     """
 
     def __init__(
-        self, connection: DaemonConnection, background: concurrent.futures.Executor
+        self,
+        connection: DaemonConnection,
+        background: concurrent.futures.Executor,
+        adopted: AdoptedLayout | None = None,
     ) -> None:
         self.connection = connection
         self._background = background
         self.current: MappedLayout | None = None
+        if adopted is not None:  # a restore's, mapped and pinned (``connection`` owns it)
+            self.current = MappedLayout.of_regions(
+                adopted.layout_id, adopted.layout, adopted.regions, adopted.pinned
+            )
+            self.current.target_slots = adopted.target_slots
         self._warned_slots = False
         self._growth_lock = threading.Lock()  # the handover thread may ask too
 

@@ -93,6 +93,22 @@ class MappedLayout:
         mapped.expect(slot_count)
         return mapped
 
+    @classmethod
+    def of_regions(
+        cls,
+        layout_id: int,
+        layout: Layout,
+        regions: Sequence[segment.Region],
+        pinned: Mapping[int, PinnedRanges],
+    ) -> MappedLayout:
+        """A layout whose slots this process mapped already, one region each (a restore's
+        adoption, ``handoff``), every slot ready and those in ``pinned`` registered."""
+        mapped = cls(layout_id, layout, pin=bool(pinned), pinned=dict(pinned))
+        mapped._regions = list(regions)
+        mapped.slots = [mapped._typed_views(region) for region in mapped._regions]
+        mapped.ready = len(mapped.slots)
+        return mapped
+
     def expect(self, slot_count: int) -> None:
         """Reserve address space for ``slot_count`` more slots, whose segments come next."""
         sizes = self.layout.packing().sizes

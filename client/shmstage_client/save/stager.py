@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from shmstage_client import handoff
 from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection, RequestHandle
 from shmstage_client.errors import SaveError, SaveTimeout
@@ -127,14 +128,15 @@ class Stager:
         self.slot_timeout = slot_timeout
         self.request_timeout = request_timeout
         self.data_file = data_file
-        self._connection = DaemonConnection(
+        adopted = handoff.claim(socket)  # a restarted trainer's layout, from its restore
+        self._connection = adopted.connection if adopted is not None else DaemonConnection(
             socket, client_name=f"shmstage-client pid {os.getpid()}"
         )
         #: After each save: its report to the daemon, then the next spare, in that order.
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="shmstage-background"
         )
-        self._layouts = Layouts(self._connection, self._background)
+        self._layouts = Layouts(self._connection, self._background, adopted)
         self._tracker = Tracker(progress, self._background)
         self._spares = Spares(self._background, data_file)
         self._guards: list[Guard] = []
