@@ -10,6 +10,7 @@ cannot carry. A refused state dict costs no directory, no slot, no copy.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -23,6 +24,7 @@ from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES
 from shmstage.units import format_size
 from shmstage_client.dtypes import safetensors_name, supported
 from shmstage_client.errors import UnsupportedValue
+from shmstage_client.structure import UNSET, Structures
 
 #: msgpack, which carries the structure to the daemon, holds integers in this range.
 WIRE_INT_MIN: Final = -(2**63)
@@ -31,38 +33,99 @@ WIRE_INT_MAX: Final = 2**64 - 1
 COMMIT_OVERHEAD_BYTES: Final = 64 * 1024
 
 
-@dataclass
-class Flattened:
-    """A state dict flattened: its encoded structure (packed once, for the commit), its
-    tensors, and their signature.
+@dataclass(frozen=True)
+class Signature:
+    """Every tensor property the layout and the copy plan depend on, read straight from
+    the tensors in bulk: the flat keys, each tensor's exact type, (dtype, shape, layout,
+    device), and the shard offsets. Equal signatures mean an equal (already validated)
+    layout and the same copy plan.
 
-    ``signature`` is every tensor property the layout depends on, and the device, read
-    straight from the tensors; equal signatures mean an equal (already validated) layout
-    and the same copy plan.
+    Nothing here is an address: a tensor replaced by another one with the same properties
+    needs nothing else to change, because every copy reads the tensors passed to *that*
+    save through their own strides and storage offsets (``slots.CopyEngine``), so strides,
+    storage offsets and storage sharing are no part of the plan.
     """
 
-    encoded: Any
+    keys: list[str]
+    types: list[type]
+    properties: list[tuple[Any, ...]]
+    shards: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(
+        cls, keys: list[str], tensors: list[torch.Tensor], shards: dict[str, tuple[int, ...]]
+    ) -> Signature:
+        return cls(keys, list(map(type, tensors)), list(map(_PROPERTIES, tensors)), shards)
+
+
+#: What ``Signature`` reads from each tensor, in one C call per tensor.
+_PROPERTIES: Final = operator.attrgetter("dtype", "shape", "layout", "device")
+
+
+@dataclass
+class Flattened:
+    """A state dict flattened: its structure packed once (for the commit), its tensors in
+    order with their flat keys, and their ``Signature``.
+
+    ``Flattened.of(..., structures=)`` finds the tensors of a state dict whose structure
+    is the one ``structures`` last saw in bulk (``Structure.match``) instead of flattening
+    and encoding it again.
+    """
+
     packed_tree: bytes
-    items: list[tuple[str, torch.Tensor]]
+    keys: list[str]
+    tensors: list[torch.Tensor]
     offsets: dict[str, tuple[int, ...]]
-    signature: list[tuple[Any, ...]]
+    signature: Signature
+    #: The encoded tree, or ``UNSET`` where it was not built (``encoded`` decodes it).
+    encoded_or_unset: Any = UNSET
     _layout: Layout | None = None
 
     @classmethod
-    def of(cls, state_dict: Any, offsets: Mapping[str, Sequence[int]] | None) -> Flattened:
-        encoded, items = _flatten(state_dict)
-        packed = _pack_tree(encoded)
+    def of(
+        cls,
+        state_dict: Any,
+        offsets: Mapping[str, Sequence[int]] | None,
+        *,
+        structures: Structures | None = None,
+    ) -> Flattened:
+        """Flatten and check ``state_dict``. With ``structures``: reuse its last structure
+        when ``state_dict`` has it (every container's type and keys, every value's type),
+        else flatten it in full and remember its structure there."""
         shards = {key: tuple(shard) for key, shard in (offsets or {}).items()}
-        unknown = shards.keys() - {key for key, _ in items} if shards else ()
+        matched = structures.match(state_dict) if structures is not None else None
+        if matched is not None:
+            structure, tensors, packed = matched
+            keys, encoded = structure.keys, structure.encoded_if(packed)
+            key_set = structure.key_set
+        else:
+            encoded, items = _flatten(state_dict)
+            packed = _pack_tree(encoded)
+            keys = [key for key, _ in items]
+            tensors = [tensor for _, tensor in items]
+            key_set = set(keys) if shards else frozenset()
+            if structures is not None:
+                structures.remember(state_dict, encoded, packed, keys)
+        unknown = shards.keys() - key_set if shards else ()
         if unknown:
             raise UnsupportedValue(
                 f"offsets given for keys not in the state dict: {sorted(unknown)}"
             )
-        shard = shards.get
-        signature = [
-            (key, type(t), t.dtype, t.shape, t.layout, t.device, shard(key)) for key, t in items
-        ]
-        return cls(encoded, packed, items, shards, signature)
+        signature = Signature.of(keys, tensors, shards)
+        return cls(packed, keys, tensors, shards, signature, encoded)
+
+    @property
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        """``(flat key, tensor)`` in order."""
+        return list(zip(self.keys, self.tensors, strict=True))
+
+    @property
+    def encoded(self) -> Any:
+        """The encoded structure (``shmstage.tree``); decoded from ``packed_tree`` when it
+        was reused, which only a refusal's message needs."""
+        if self.encoded_or_unset is UNSET:
+            self.encoded_or_unset = _unpack_tree(self.packed_tree)
+        return self.encoded_or_unset
 
     def layout(self) -> Layout:
         """The validated layout (only needed when the signature is new)."""
@@ -70,10 +133,11 @@ class Flattened:
             self._layout = _layout_of(self.items, self.offsets)
         return self._layout
 
-    def check(self, current_signature: list[tuple[Any, ...]] | None) -> None:
+    def check(self, current_signature: Signature | None) -> None:
         """Raise UnsupportedValue now unless the tensors match the current layout's."""
         if current_signature != self.signature:
             self.layout()
+
 
 
 def check_fits(
@@ -83,10 +147,12 @@ def check_fits(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> None:
     """Refuse plain values and metadata too large for one commit message, naming where
-    most of the bytes are."""
+    most of the bytes are (``encoded`` may be ``UNSET``: it is decoded only then)."""
     total = len(packed_tree) + len(packed_metadata) + COMMIT_OVERHEAD_BYTES
     if total <= max_frame_bytes:
         return
+    if encoded is UNSET:
+        encoded = _unpack_tree(packed_tree)
     where = "the metadata" if len(packed_metadata) > len(packed_tree) else _heaviest(encoded)
     raise UnsupportedValue(
         f"the state dict's plain values and the metadata take {format_size(total)} encoded "
@@ -113,6 +179,10 @@ def _pack_tree(encoded: Any) -> bytes:
             f"({WIRE_INT_MIN} .. {WIRE_INT_MAX}, 64 bits); store it as a str or a tensor — "
             "nothing was written"
         ) from None
+
+
+def _unpack_tree(packed: bytes) -> Any:
+    return msgpack.unpackb(packed, raw=False, strict_map_key=False)
 
 
 def _outside_wire_ints(value: Any) -> bool:

@@ -31,7 +31,8 @@ from shmstage_client.connection import DaemonConnection, RequestHandle, receivab
 from shmstage_client.errors import DaemonLost, SaveError
 from shmstage_client.handoff import AdoptedLayout
 from shmstage_client.save.slots import MappedLayout, device_groups
-from shmstage_client.statedict import Flattened
+from shmstage_client.statedict import Flattened, Signature
+from shmstage_client.structure import Structures
 
 log = logging.getLogger("shmstage.client")
 
@@ -60,6 +61,8 @@ class Layouts:
         self.connection = connection
         self._background = background
         self.current: MappedLayout | None = None
+        #: The structure of the state dict saved last, for the next save to find in bulk.
+        self.structures = Structures()
         if adopted is not None:  # a restore's, mapped and pinned (``connection`` owns it)
             self.current = MappedLayout.of_regions(
                 adopted.layout_id, adopted.layout, adopted.regions, adopted.pinned
@@ -69,7 +72,7 @@ class Layouts:
         self._growth_lock = threading.Lock()  # the handover thread may ask too
 
     @property
-    def signature(self) -> list[tuple[Any, ...]] | None:
+    def signature(self) -> Signature | None:
         """The tensor properties the current layout was last matched against."""
         return self.current.signature if self.current is not None else None
 
@@ -92,10 +95,10 @@ class Layouts:
             return current
         layout = flat.layout()
         if current is None or current.layout != layout or not current.whole:
-            current = self._register(layout, slots, _wants_pin(pin, flat.items), timeout)
+            current = self._register(layout, slots, _wants_pin(pin, flat.tensors), timeout)
             self.current = current
         current.signature = flat.signature
-        current.groups = device_groups([tensor.device for _, tensor in flat.items])
+        current.groups = device_groups([tensor.device for tensor in flat.tensors])
         return current
 
     def acquire(
@@ -300,9 +303,9 @@ class Layouts:
             mapped.mark_ready(index + 1)  # a save may take it already
 
 
-def _wants_pin(pin: bool | str, items: list[tuple[str, torch.Tensor]]) -> bool:
+def _wants_pin(pin: bool | str, tensors: list[torch.Tensor]) -> bool:
     """Whether to page-lock the segments for CUDA: ``pin="auto"`` does so when the state
     dict holds CUDA tensors."""
     if pin == "auto":
-        return any(tensor.device.type == "cuda" for _, tensor in items)
+        return any(tensor.device.type == "cuda" for tensor in tensors)
     return bool(pin)

@@ -25,7 +25,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,9 @@ from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, prefault, try_pin
 from shmstage_client.save.deferred_copy import CopyGroup, DeferredCopy, StreamCopy, ThreadCopy
+
+if TYPE_CHECKING:
+    from shmstage_client.statedict import Signature
 
 log = logging.getLogger("shmstage.client")
 
@@ -51,7 +54,7 @@ class MappedLayout:
     layout: Layout
     #: The tensor properties this layout was last matched against, and where those
     #: tensors live (``device_groups``); both set by the Stager.
-    signature: list[tuple[Any, ...]] | None = None
+    signature: Signature | None = None
     groups: dict[torch.device, list[int]] = field(default_factory=dict)
     #: The slots whose every segment is mapped, in order.
     slots: list[list[torch.Tensor]] = field(default_factory=list)

@@ -254,10 +254,10 @@ class Stager:
             raise ValueError("save(..., publish=) needs block=True; publish() after it")
         step = None if publish is None else check_step((metadata or {}).get("step"))
             self._await_landing(clock)
-            flat = Flattened.of(state_dict, offsets)
+            flat = Flattened.of(state_dict, offsets, structures=self._layouts.structures)
             flat.check(self._layouts.signature)
             fields = Fields.check(self.data_file, None, metadata)
-            check_fits(flat.encoded, flat.packed_tree, fields.packed_metadata)
+            check_fits(flat.encoded_or_unset, flat.packed_tree, fields.packed_metadata)
             clock.lap("prepare")
             destination = Destination(open_target(path, self.data_file, self._spares), fields)
             clock.lap("setup")
@@ -339,7 +339,7 @@ class Stager:
         timeout = self.request_timeout if timeout is None else timeout
         with collection_paused():
             self._await_landing(Clock())  # a copy in flight may still use the layout
-            flat = Flattened.of(state_dict, offsets)
+            flat = Flattened.of(state_dict, offsets, structures=self._layouts.structures)
             flat.check(self._layouts.signature)
             self._reconnect_if_lost()
             mapped, changed = self._layouts.reserve(
@@ -373,7 +373,7 @@ class Stager:
         clock = Clock()
         with collection_paused():
             self._await_landing(clock)
-            flat = Flattened.of(state_dict, offsets)
+            flat = Flattened.of(state_dict, offsets, structures=self._layouts.structures)
             clock.lap("prepare")
             staged = self._claim(flat, clock)
             deferred = self._copy(staged, flat, None, block)
@@ -419,7 +419,7 @@ class Stager:
         return Staged(
             mapped,
             slot,
-            flat.encoded,
+            flat.encoded_or_unset,
             flat.packed_tree,
             connection=self._connection,  # the daemon gives the slot to this session
             tracker=self._tracker,
@@ -434,7 +434,7 @@ class Stager:
         started (returned) — and on failure hand it back, with the commit sent ahead of the
         copy (``early``) if there is one."""
         try:
-            sources = [tensor for _, tensor in flat.items]
+            sources = flat.tensors
             slot, groups = staged.mapped.slots[staged.slot], staged.mapped.groups
             deferred = None if block else self._deferrable(sources)
             if deferred is None:
