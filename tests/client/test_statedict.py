@@ -3,13 +3,18 @@ SaveError never crashes, and a refused save leaves no directory, slot or segment
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from harness import assert_same
 from shmstage_client import SaveError, Stager, UnsupportedValue, load
+from shmstage_client.statedict import Flattened
+from shmstage_client.structure import Structures
 
 from shmstage.protocol import DEFAULT_MAX_FRAME_BYTES
 
@@ -72,3 +77,133 @@ def test_a_loop_catching_save_error_survives_every_refusal(daemon, ckpt: Path) -
     assert os.listdir(ckpt) == ["good"]
     assert_same(load(ckpt / "good"), {"w": torch.ones(2), "x": 2**64 - 1})
 
+
+
+# -- a structure saved again: found in bulk, never by address ----------------------------
+
+
+def _state(lr: float = 1e-3) -> dict:
+    """A model's and an optimizer's state dicts, as a training loop saves them."""
+    weights = {f"layer{i}.weight": torch.full((3, 2), float(i)) for i in range(6)}
+    state = {
+        i: {"step": torch.tensor(float(i)), "exp_avg": torch.ones(3, 2) * i, "exp_avg_sq": w}
+        for i, w in enumerate(weights.values())
+    }
+    group = {"lr": lr, "betas": (0.9, 0.999), "weight_decay": 0.0, "foreach": None, "name": "g"}
+    optimizer = {"state": state, "param_groups": [{**group, "params": list(range(6))}]}
+    return {"model": weights, "optimizer": optimizer, "step": 7}
+
+
+def _variants() -> list[tuple[str, dict]]:
+    """State dicts that each differ from ``_state()`` in one way a remembered structure
+    must notice (or, for plain values and tensor objects, carry over exactly)."""
+    variants: list[tuple[str, dict]] = []
+
+    def variant(name: str, change: Callable[[dict], object]) -> None:
+        state = _state()
+        change(state)
+        variants.append((name, state))
+
+    opt = "optimizer"
+    variant("same structure, new objects", lambda s: None)
+    variant("a new learning rate", lambda s: s[opt]["param_groups"][0].update(lr=3e-4))
+    variant("0.0 becomes -0.0", lambda s: s[opt]["param_groups"][0].update(weight_decay=-0.0))
+    variant("a NaN", lambda s: s[opt]["param_groups"][0].update(lr=float("nan")))
+    variant("an int becomes a bool", lambda s: s.update(step=True))
+    variant("an int becomes a float", lambda s: s.update(step=7.0))
+    variant("a plain value becomes a tensor", lambda s: s.update(step=torch.tensor(7)))
+    variant("a tensor becomes a plain value", lambda s: s[opt]["state"][2].update(step=2.0))
+    variant("a tensor becomes a Parameter", lambda s: s["model"].update(
+        {"layer1.weight": torch.nn.Parameter(torch.zeros(3, 2))}
+    ))  # fmt: skip
+    variant("an int key becomes a str key", lambda s: s[opt]["state"].update(
+        {"3": s[opt]["state"].pop(3)}
+    ))  # fmt: skip
+    variant("keys in another order", lambda s: s[opt]["state"].update(
+        {0: s[opt]["state"].pop(0)}
+    ))  # fmt: skip
+    variant("one entry's keys in another order", lambda s: s[opt]["state"].update(
+        {4: dict(reversed(s[opt]["state"][4].items()))}
+    ))  # fmt: skip
+    variant("one more entry", lambda s: s[opt]["state"][5].update(extra=torch.ones(1)))
+    variant("a tuple becomes a list", lambda s: s[opt]["param_groups"][0].update(betas=[0.9, 0.9]))
+    variant("a dict becomes an OrderedDict", lambda s: s.update(
+        model=collections.OrderedDict(s["model"])
+    ))  # fmt: skip
+    variant("a list grows", lambda s: s[opt]["param_groups"][0]["params"].append(6))
+    variant("a list becomes empty", lambda s: s[opt]["param_groups"][0].update(params=[]))
+    variant("another dtype", lambda s: s["model"].update(
+        {"layer2.weight": torch.full((3, 2), 2.0, dtype=torch.bfloat16)}
+    ))  # fmt: skip
+    variant("another shape, same numel", lambda s: s["model"].update(
+        {"layer2.weight": torch.arange(6.0).reshape(2, 3)}
+    ))  # fmt: skip
+    variant("a transposed (non-contiguous) tensor", lambda s: s["model"].update(
+        {"layer3.weight": torch.arange(6.0).reshape(2, 3).t()}
+    ))  # fmt: skip
+    variant("an expanded (stride 0) tensor", lambda s: s["model"].update(
+        {"layer3.weight": torch.tensor([5.0, 6.0]).expand(3, 2)}
+    ))  # fmt: skip
+    shared = torch.arange(12.0)
+    variant("two tensors sharing one storage, at offsets", lambda s: s["model"].update(
+        {"layer0.weight": shared[:6].view(3, 2), "layer5.weight": shared[6:].view(3, 2)}
+    ))  # fmt: skip
+    return variants
+
+
+def _as_loaded(node: object) -> object:
+    """``node`` as a load gives it back: every mapping a dict."""
+    if isinstance(node, collections.abc.Mapping):
+        return {key: _as_loaded(value) for key, value in node.items()}
+    if isinstance(node, list | tuple):
+        return type(node)(_as_loaded(value) for value in node)
+    return node
+
+
+#: The variants whose structure is the remembered one (their tensors' properties or plain
+#: values differ): found in bulk; every other one is flattened in full.
+SAME_STRUCTURE = {
+    "same structure, new objects",
+    "a new learning rate",
+    "0.0 becomes -0.0",
+    "a NaN",
+    "another dtype",
+    "another shape, same numel",
+    "a transposed (non-contiguous) tensor",
+    "an expanded (stride 0) tensor",
+    "two tensors sharing one storage, at offsets",
+}
+
+
+@pytest.mark.parametrize(("name", "state"), _variants(), ids=[n for n, _ in _variants()])
+def test_a_remembered_structure_gives_what_a_full_flatten_gives(name: str, state: dict) -> None:
+    structures = Structures()
+    Flattened.of(_state(), None, structures=structures)  # remembered
+    Flattened.of(_state(), None, structures=structures)  # and found again
+    reused = structures.match(state) is not None
+    again = Flattened.of(state, None, structures=structures)
+    full = Flattened.of(state, None)
+    assert reused == (name in SAME_STRUCTURE), name
+    assert again.packed_tree == full.packed_tree, name
+    assert again.keys == full.keys, name
+    assert all(a is b for a, b in zip(again.tensors, full.tensors, strict=True)), name
+    assert again.signature == full.signature, name
+    assert again.encoded == full.encoded, name
+
+
+def test_a_structure_saved_again_with_other_tensors_is_saved_bit_exact(
+    daemon, ckpt: Path
+) -> None:
+    """The stale-plan bug of the systems shmstage replaces: a plan cached by tensor
+    address, reused after the tensors changed. Every variant is saved after the same
+    structure and loaded back bit for bit (the sign of a zero included)."""
+    with Stager(daemon.socket, slots=1) as stager:
+        for step, (name, state) in enumerate(_variants()):
+            stager.save(_state(), ckpt / f"before{step}").wait(60)
+            stager.save(state, ckpt / f"s{step}").wait(60)
+            loaded = load(ckpt / f"s{step}")
+            assert_same(loaded, _as_loaded(state), name)
+            for plain in ("lr", "weight_decay"):
+                value = state["optimizer"]["param_groups"][0][plain]
+                if value == value:  # NaN aside, the exact float (0.0 is not -0.0)
+                    assert loaded["optimizer"]["param_groups"][0][plain].hex() == value.hex()
