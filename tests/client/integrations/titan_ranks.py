@@ -1,0 +1,357 @@
+"""One rank of a torchtitan-shaped training run on CPU; test_torchtitan.py starts one per rank.
+
+    python titan_ranks.py SCENARIO --rank R --world-size N --work DIR --socket S [-- ARGS]
+
+torchtitan 0.3's ``Trainer`` cannot run here (its model registry imports triton, and it picks
+a CUDA device), so each rank does what ``Trainer.__init__`` and ``Trainer.train`` do with the
+real torchtitan pieces: ``ConfigManager`` parses ``ARGS`` (torchtitan's command line,
+``--override.imports`` included) onto ``titan_config.tiny``, ``apply_overrides`` swaps the
+config nodes, ``config.checkpoint.build(...)`` gets the same arguments as in the trainer
+(``OptimizersContainer`` and ``LRSchedulersContainer`` built from their configs, a
+``ParallelAwareDataloader``, the train state), and the loop calls the checkpointer where
+``train``/``train_step`` do: ``load`` before the first step, ``maybe_wait_for_staging`` between
+gradient clipping and ``optimizers.step()``, ``save(step, last_step=...)`` after each step,
+``close`` at the end. The model is a small FSDP2-sharded decoder (uneven shards, a buffer).
+
+Scenarios write ``result-SCENARIO-R.json``; a failure exits non-zero with the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import IterableDataset
+
+STARTED = time.monotonic()
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # titan_config; tests/ for harness
+from harness import assert_same  # noqa: E402
+from shmstage_client.errors import DaemonUnavailable  # noqa: E402
+from shmstage_client.integrations.torchtitan import ShmStageCheckpointManager  # noqa: E402
+from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.config.override import apply_overrides  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+TIMEOUT = 60.0
+RUN_LIMIT = 120.0
+VOCAB = 67  # rows shard unevenly over 2 ranks (34 and 33)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+class TinyDecoder(torch.nn.Module):
+    def __init__(self, dim: int = 24, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, dim)
+        self.layers = torch.nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(dim)
+        self.out = torch.nn.Linear(dim, VOCAB, bias=False)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) * self.scale
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(self.norm(h))
+
+
+class TokenStream(IterableDataset, Stateful):
+    """Sample i of rank r is the same in every run: resuming must continue the stream."""
+
+    def __init__(self, rank: int, seq_len: int) -> None:
+        self.rank, self.seq_len, self.next = rank, seq_len, 0
+
+    def __iter__(self) -> Any:
+        while True:
+            g = torch.Generator().manual_seed(1000 * self.rank + self.next)
+            tokens = torch.randint(0, VOCAB, (self.seq_len + 1,), generator=g)
+            self.next += 1
+            yield {"input": tokens[:-1]}, tokens[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.next = state_dict["next"]
+
+
+class TrainState(Stateful):
+    """What torchtitan's Trainer saves as ``train_state`` (its own state_dict)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"]
+
+
+class Run:
+    """The trainer's components, built from the parsed config as Trainer.__init__ does."""
+
+    def __init__(self, rank: int, world_size: int, config: Any, *, checkpoint: Any = None) -> None:
+        self.config = config
+        torch.manual_seed(0)  # the same full model on every rank, then sharded
+        self.model = TinyDecoder()
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizers = config.optimizer.build(model_parts=[self.model])
+        self.lr_schedulers = config.lr_scheduler.build(
+            optimizers=self.optimizers, training_steps=config.training.steps
+        )
+        self.dataloader = ParallelAwareDataloader(
+            TokenStream(rank, config.training.seq_len),
+            dp_rank=rank,
+            dp_world_size=world_size,
+            batch_size=config.training.local_batch_size,
+        )
+        self.train_state = TrainState()
+        self.checkpointer = (checkpoint or config.checkpoint).build(
+            dataloader=self.dataloader,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            sd_adapter=None,
+            base_folder=config.dump_folder,
+        )
+        self.losses: dict[int, float] = {}
+        self.save_seconds: dict[int, float] = {}
+        self._data: Any = None
+
+    def load(self) -> None:
+        self.checkpointer.load(step=self.config.checkpoint.load_step)
+
+    def step(self) -> int:
+        """One ``Trainer.train_step``, the checkpointer called where torchtitan calls it."""
+        if self._data is None:
+            self._data = iter(self.dataloader)
+        state = self.train_state
+        state.step += 1
+        self.optimizers.zero_grad()
+        inputs, labels = next(self._data)
+        logits = self.model(inputs["input"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=1.0, foreach=True)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        state.ntokens_seen += labels.numel()
+        self.losses[state.step] = loss.item()
+        return state.step
+
+    def save(self, step: int) -> None:
+        started = time.perf_counter()
+        self.checkpointer.save(step, last_step=step == self.config.training.steps)
+        self.save_seconds[step] = time.perf_counter() - started
+
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's part of everything the checkpointer saves, copied."""
+        return {
+            "model": _local(self.model.state_dict()),
+            "optimizer": _local(self.optimizers.state_dict()),
+            "lr_scheduler": self.lr_schedulers.state_dict(),
+            "dataloader": self.dataloader.state_dict(),
+            "train_state": self.train_state.state_dict(),
+        }
+
+
+def _local(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _local(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_local(item) for item in value)
+    return copy.deepcopy(value)
+
+
+class Rank:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rank, self.world_size = args.rank, args.world_size
+        self.work = Path(args.work)
+        self.result: dict[str, Any] = {"rank": self.rank, "imported": time.monotonic() - STARTED}
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{self.work / f'store-{args.scenario}'}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=TIMEOUT),
+        )
+
+    def config(self, *cli: str, dump: str = "dump") -> Any:
+        """torchtitan's command line, parsed and overridden as torchtitan.train does."""
+        config = ConfigManager().parse_args(
+            ["--module", "titan_config", "--config", "tiny",
+             f"--dump_folder={self.work / dump}", *cli]
+        )
+        if config.override.imports:  # Trainer.__init__, before any component is built
+            apply_overrides(config.override, config)
+        return config
+
+    def expected_path(self, name: str) -> Path:
+        return self.work / f"expected-{name}-rank{self.rank}.pt"
+
+    def write(self) -> None:
+        self.result["seconds"] = time.monotonic() - STARTED
+        path = self.work / f"result-{self.args.scenario}-{self.rank}.json"
+        path.write_text(json.dumps(self.result))
+
+    def finish(self) -> None:
+        self.write()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def first(r: Rank) -> None:
+    """Train with checkpoints every 2 steps, copy behind the next step (the override's
+    default mode); after step 8's training, before its save, wait for step 6 to be durable
+    (as the next save would) and die by SIGKILL, leaving the daemon holding step 6."""
+    config = r.config(*r.args.titan)
+    run = Run(r.rank, r.world_size, config)
+    r.result["manager"] = type(run.checkpointer).__qualname__
+    r.result["async_mode"] = str(run.checkpointer.async_mode.value)
+    r.result["socket"] = run.checkpointer.socket
+    run.load()
+    while True:
+        step = run.step()
+        if step == 8:
+            break
+        run.save(step)
+        if step == 6:
+            torch.save(run.snapshot(), r.expected_path("step-6"))
+    run.checkpointer.maybe_wait_for_saving()
+    stage = run.checkpointer.writer.last_stage
+    r.result["deferred_bytes"] = stage.deferred_bytes if stage else None
+    r.result["losses"] = run.losses
+    r.result["save_seconds"] = run.save_seconds
+    r.write()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume(r: Rank) -> None:
+    """A new run of the same command finds step 6 (the newest published checkpoint), loads
+    it from the daemon's memory bit-exactly, and trains on to the end: a save at step 8
+    (keep_latest_k=2 while it is in flight), the last step's model-only export at 10."""
+    config = r.config(*r.args.titan)
+    run = Run(r.rank, r.world_size, config)
+    r.result["async_mode"] = str(run.checkpointer.async_mode.value)
+    run.load()
+    r.result["loaded_step"] = run.train_state.step
+    r.result["sources"] = run.checkpointer.last_load_sources
+    expected = torch.load(r.expected_path("step-6"), weights_only=False)
+    assert_same(run.snapshot(), expected, "state after loading step 6", key_order=False)
+    while run.train_state.step < config.training.steps:
+        run.save(run.step())
+    run.checkpointer.close()
+    r.result["losses"] = run.losses
+    final = _local(run.model.state_dict())
+    r.result["final_model_keys"] = sorted(final)
+    torch.save(final, r.expected_path("final-model"))
+    r.finish()
+
+
+def modes(r: Rank) -> None:
+    """One rank, the manager's own Config in a config function (no override): synchronous
+    saves through shmstage, the model-only export, a load from files; then a manager whose
+    daemon does not answer, refused before training."""
+    config = r.config(dump="dump-modes")
+    ckpt = ShmStageCheckpointManager.Config(
+        enable=True,
+        async_mode="disabled",
+        interval=1,
+        keep_latest_k=0,
+        socket=r.args.socket,
+        restore_source="files",
+    )
+    config.training.steps = 3
+    run = Run(r.rank, r.world_size, config, checkpoint=ckpt)
+    r.result["pg"] = run.checkpointer.pg is not None
+    run.load()
+    for _ in range(3):
+        step = run.step()
+        run.save(step)
+        if step == 2:
+            expected = run.snapshot()
+    run.checkpointer.close()
+    final = _local(run.model.state_dict())
+
+    again = Run(r.rank, r.world_size, config, checkpoint=ckpt)
+    again.checkpointer.load(step=2)
+    r.result["sources"] = again.checkpointer.last_load_sources
+    assert_same(again.snapshot(), expected, "state after loading step 2", key_order=False)
+    again.checkpointer.close()
+
+    export = {key: torch.zeros_like(value) for key, value in final.items()}
+    dcp.load(export, checkpoint_id=str(Path(config.dump_folder) / "checkpoint" / "step-3"))
+    assert_same(export, final, "the model-only export, read by stock DCP")
+
+    try:
+        nowhere = dataclasses.replace(ckpt, socket=str(r.work / "no-daemon.sock"))
+        Run(r.rank, r.world_size, config, checkpoint=nowhere)
+    except DaemonUnavailable as exc:
+        r.result["unreachable"] = str(exc)
+    r.finish()
+
+
+SCENARIOS = {"first": first, "resume": resume, "modes": modes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=SCENARIOS)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--socket", required=True)
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.titan = argv[split + 1 :]  # torchtitan's own command line
+    os.chdir(args.work)
+    faulthandler.dump_traceback_later(RUN_LIMIT, exit=True)  # a hang shows where, and ends
+    SCENARIOS[args.scenario](Rank(args))
+
+
+if __name__ == "__main__":
+    main()
