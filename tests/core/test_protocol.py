@@ -411,3 +411,40 @@ def test_the_daemon_answers_a_lease_with_its_segments_and_the_structure_for_late
         client.receive_data(daemon.send(op, 3, body))
         assert client.next_frame().body == body
     assert ErrorCode("not_retained") is ErrorCode.NOT_RETAINED
+
+
+def test_a_subscription_is_answered_then_continued_by_version_frames_of_its_id() -> None:
+    """The one frame the daemon sends unasked carries the subscribe request's id."""
+    client, daemon = greeted_daemon_side()
+    daemon.receive_data(client.send("subscribe", 5, {"name": "policy"}))
+    assert daemon.next_frame().body == {"name": "policy"}
+    client.receive_data(daemon.send("welcome", 1, {
+        "version": PROTOCOL_VERSION, "daemon": "d", "instance": "i", "limits": {}
+    }))  # fmt: skip
+    stream = daemon.send("subscribed", 5, {"channel": 1, "newest": None})
+    for step in (3, 4):
+        stream += daemon.send("version", 5, {"channel": 1, "step": step})
+    client.receive_data(stream)
+    frames = [client.next_frame() for _ in range(4)]
+    assert [(f.op, f.id) for f in frames] == [
+        ("welcome", 1), ("subscribed", 5), ("version", 5), ("version", 5)
+    ]  # fmt: skip
+    assert [f.body["step"] for f in frames[2:]] == [3, 4]
+
+
+def test_publish_may_be_large_and_its_fields_are_checked() -> None:
+    client, daemon = greeted_daemon_side()
+    tree = {f"layer.{i}": f"layer.{i}" for i in range(20_000)}
+    body = {"layout": 1, "slot": 0, "name": "policy", "step": 7, "tree": tree, "share": []}
+    daemon.receive_data(client.send("publish", 2, body))
+    assert daemon.next_frame().body["step"] == 7
+    _client, daemon = greeted_daemon_side()
+    daemon.receive_data(raw({"op": "pin", "id": 3, "nfds": 0, "channel": 1, "newer_than": "7"}))
+    with pytest.raises(ProtocolError, match=r"pin\.newer_than must be int/NoneType, not str"):
+        daemon.next_frame()
+
+
+def test_a_client_cannot_send_what_only_the_daemon_sends() -> None:
+    client, _daemon = greeted_daemon_side()
+    with pytest.raises(ValueError, match="client cannot send 'version'"):
+        client.send("version", 1, {"channel": 1, "step": 1})

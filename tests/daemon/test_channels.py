@@ -1,0 +1,222 @@
+"""Channels, versions and pins, driven with no daemon: what a publish makes visible, what a
+pin holds, who may read, and what ends with a connection.
+
+``channels`` is pure (its timers go through ``schedule``): the tests below give it a real
+``Store`` with a registered layout and fake timers, and state its rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from shmstage_daemon.admission import Peer
+from shmstage_daemon.channels import Channels, Version
+from shmstage_daemon.retention import RetentionPolicy
+from shmstage_daemon.slot import Slot, SlotState
+from shmstage_daemon.store import Limits, Store, StoreError
+
+from shmstage.layout import Layout, TensorSpec
+from shmstage.protocol import ErrorCode
+from shmstage.segment import SegmentRef
+
+PUBLISHER, READER, STRANGER = 1, 2, 3
+UID, OTHER_UID, TEAM = 1000, 2000, 500
+LAYOUT = Layout((TensorSpec("w", "F32", (1024,)),))
+OWNER = Peer(pid=1, uid=UID, gid=UID, groups=frozenset())
+MEMBER = Peer(pid=2, uid=OTHER_UID, gid=OTHER_UID, groups=frozenset({TEAM}))
+OUTSIDER = Peer(pid=3, uid=OTHER_UID + 1, gid=OTHER_UID + 1, groups=frozenset())
+
+
+class Timers:
+    """Fake timers: each scheduled call waits until the test fires it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, Callable[[], None], list[bool]]] = []
+
+    def schedule(self, delay: float, fn: Callable[[], None]) -> _Handle:
+        cancelled = [False]
+        self.calls.append((delay, fn, cancelled))
+        return _Handle(cancelled)
+
+    def fire_all(self) -> None:
+        for _delay, fn, cancelled in list(self.calls):
+            if not cancelled[0]:
+                fn()
+
+
+class _Handle:
+    def __init__(self, cancelled: list[bool]) -> None:
+        self._cancelled = cancelled
+
+    def cancel(self) -> None:
+        self._cancelled[0] = True
+
+
+class World:
+    def __init__(self, slots: int = 2, publish_groups: frozenset[int] = frozenset({TEAM})) -> None:
+        self.store = Store(Limits(shm_budget_bytes=1 << 30))
+        for session, uid in ((PUBLISHER, UID), (READER, OTHER_UID), (STRANGER, UID + 7)):
+            self.store.open_session(session, uid)
+        refs = [[SegmentRef(f"seg-{n}", 4096)] for n in range(slots)]
+        self.staged = self.store.add(PUBLISHER, LAYOUT, refs, 4096 * slots)
+        self.policy = RetentionPolicy(max_leases=2, lease_seconds=60, max_lease_seconds=600)
+        self.freed: list[Slot] = []
+        self.timers = Timers()
+        self.channels = Channels(
+            self.store,
+            lambda: self.policy,
+            lambda: publish_groups,
+            lambda staged, slot: self.freed.append(slot),
+            self.timers.schedule,
+        )
+        self.subscribed: list[int] = []
+
+    def publish(self, step: int, name: str = "policy", share: tuple[int, ...] = ()) -> Version:
+        """What the publisher does: acquire, fill, publish, hand the slot back."""
+        slot = self.store.try_acquire(PUBLISHER, self.staged)
+        assert slot is not None, "no free slot"
+        version, _told = self.channels.publish(
+            UID, name, step, self.staged, slot, tree={}, metadata={"step": step}, share=share
+        )
+        self.store.release_slot(PUBLISHER, self.staged, slot)
+        return version
+
+    def follow(self, session: int, peer: Peer, name: str = "policy") -> int:
+        channel, _newest = self.channels.subscribe(
+            session, peer, UID, name, self.subscribed.append
+        )
+        return channel.id
+
+
+def test_a_published_version_is_the_channels_newest_until_a_newer_one() -> None:
+    world = World()
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    first = world.publish(1)
+    assert world.channels.newest(world.channels.by_id[channel]) is first
+    second = world.publish(2)
+    assert world.channels.newest(world.channels.by_id[channel]) is second
+    assert world.subscribed == [], "notify is the handler's to call, with the told list"
+
+
+def test_steps_only_grow_and_a_refused_publish_leaves_the_slot_to_its_publisher() -> None:
+    world = World()
+    world.publish(5)
+    slot = world.store.try_acquire(PUBLISHER, world.staged)
+    assert slot is not None
+    for step in (5, 4):
+        with pytest.raises(StoreError, match=f"step {step} of channel 'policy' is not newer"):
+            world.channels.publish(UID, "policy", step, world.staged, slot, tree={}, metadata={})
+    assert slot.version is None and slot.state is SlotState.FILLING
+
+
+def test_subscribers_allowed_to_read_are_the_ones_told() -> None:
+    world = World()
+    told: list[int] = []
+    world.channels.subscribe(PUBLISHER + 10, OWNER, UID, "policy", told.append)
+    world.publish(1, share=(TEAM,))
+    world.channels.subscribe(READER, MEMBER, UID, "policy", told.append)
+    slot = world.store.try_acquire(PUBLISHER, world.staged)
+    assert slot is not None
+    _version, tell = world.channels.publish(
+        UID, "policy", 2, world.staged, slot, tree={}, metadata={}, share=()
+    )
+    assert [s.session for s in tell] == [PUBLISHER + 10], "unshared: the member is not told"
+
+
+def test_a_pinned_slot_is_never_refilled_and_the_publisher_takes_another() -> None:
+    world = World(slots=2)
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    first = world.publish(1)
+    pin = world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    assert pin.version is first
+    second = world.publish(2)
+    assert second.slot is not first.slot
+    third = world.publish(3)  # the oldest free unpinned slot is the second's
+    assert third.slot is second.slot and first.slot.version is first
+    # with every slot pinned, nothing is free: the publisher waits (for a bounded pin)
+    world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    assert world.store.try_acquire(PUBLISHER, world.staged) is None
+    assert world.channels.unpin(PUBLISHER + 10, pin.id)
+    assert world.freed == [first.slot], "the daemon hands a freed slot to a waiting fill"
+    assert world.store.try_acquire(PUBLISHER, world.staged) is first.slot
+
+
+def test_a_pin_asks_for_a_version_newer_than_a_step() -> None:
+    world = World()
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    with pytest.raises(StoreError, match="has no version in shmstaged's memory"):
+        world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    world.publish(3)
+    with pytest.raises(StoreError, match="no version newer than step 3") as refused:
+        world.channels.pin(PUBLISHER + 10, OWNER, channel, 3, None, now=0.0)
+    assert refused.value.code is ErrorCode.NOT_RETAINED
+    assert world.channels.pin(PUBLISHER + 10, OWNER, channel, 2, None, now=0.0).version.step == 3
+
+
+def test_pins_are_bounded_in_count_and_time_and_end_with_their_connection() -> None:
+    world = World(slots=3)
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    world.publish(1)
+    pins = [world.channels.pin(PUBLISHER + 10, OWNER, channel, None, 9999, now=0.0) for _ in "ab"]
+    assert pins[0].expires == 600.0, "never past max_lease_seconds"
+    with pytest.raises(StoreError, match=r"already holds 2 pins \(limit 2, \[retention\] max_le"):
+        world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    world.timers.fire_all()  # both run out
+    assert not world.channels.pins and not pins[0].version.slot.pins
+    assert not world.channels.unpin(PUBLISHER + 10, pins[0].id), "an ended pin did not hold"
+    world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    world.channels.end_session(PUBLISHER + 10)
+    assert not world.channels.pins
+    assert world.channels.by_id[channel].subscribers == {}
+
+
+def test_another_user_reads_only_a_channel_shared_with_its_group_that_the_daemon_allows() -> None:
+    world = World(publish_groups=frozenset({TEAM}))
+    with pytest.raises(StoreError, match="not shared with any of its groups") as refused:
+        world.follow(READER, MEMBER)  # not published yet: the same refusal
+    assert refused.value.code is ErrorCode.NOT_ALLOWED
+    world.publish(1)
+    with pytest.raises(StoreError, match="not shared with any of its groups"):
+        world.follow(READER, MEMBER)  # published, not shared
+    with pytest.raises(StoreError, match=r"gid\(s\) \[501\]: shmstaged's \[server\] publish_gr"):
+        world.publish(2, share=(501,))
+    world.publish(2, share=(TEAM,))
+    channel = world.follow(READER, MEMBER)
+    assert world.channels.pin(READER, MEMBER, channel, None, None, now=0.0).version.step == 2
+    with pytest.raises(StoreError, match="not shared with any of its groups"):
+        world.follow(STRANGER, OUTSIDER)
+
+
+def test_another_user_never_pins_the_last_unpinned_slot() -> None:
+    world = World(slots=2, publish_groups=frozenset({TEAM}))
+    owner_channel = world.follow(PUBLISHER + 10, OWNER)
+    first = world.publish(1, share=(TEAM,))
+    world.channels.pin(PUBLISHER + 10, OWNER, owner_channel, None, None, now=0.0)
+    world.publish(2, share=(TEAM,))
+    channel = world.follow(READER, MEMBER)
+    with pytest.raises(StoreError, match="may not pin the last one"):
+        world.channels.pin(READER, MEMBER, channel, None, None, now=0.0)
+    assert first.slot.pins, "the owner's own pin stands"
+
+
+def test_a_refilled_or_released_slots_version_is_gone() -> None:
+    world = World(slots=1)
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    version = world.publish(1)
+    slot = world.store.try_acquire(PUBLISHER, world.staged)  # refilling: the version goes
+    assert slot is version.slot and slot.version is None
+    assert world.channels.newest(world.channels.by_id[channel]) is None
+    world.store.release_slot(PUBLISHER, world.staged, slot)
+    world.publish(2)
+    world.store.mark_released(world.staged)
+    assert world.channels.newest(world.channels.by_id[channel]) is None
+
+
+def test_a_channel_with_nothing_alive_and_nobody_following_is_forgotten() -> None:
+    world = World(slots=1)
+    world.follow(PUBLISHER + 10, OWNER)
+    world.publish(7)
+    world.store.mark_released(world.staged)
+    world.channels.end_session(PUBLISHER + 10)
+    assert world.channels.channels == {}
