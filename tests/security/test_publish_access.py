@@ -1,0 +1,115 @@
+"""A published channel is its owner's: another real user follows it only once the owner
+shares it with a group the daemon's ``[server] publish_groups`` allows, and then only ever
+gets read-only descriptors of the publisher's slots.
+
+The victim publishes through a root daemon that admits both users' group and allows
+sharing with it; the attacker tries to follow the channel before it is shared (and a
+channel that does not exist: the same answer), then follows it once shared, reads the
+victim's bytes, and tries to write them through the descriptors the daemon sent it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sec_helpers import GROUP, Actor, User, run_as
+
+#: The victim's publisher: step 1 unshared; once ``share`` exists, step 2 shared with the
+#: trainers' group; a share the daemon does not allow is refused. Lives until killed.
+PUBLISHER = """
+stager = Stager("{sock}")
+stager.reserve({{"w": torch.zeros(8)}})
+stager.publish({{"w": torch.full((8,), 1.0)}}, "policy", step=1)
+say("PUBLISHED")
+try:
+    stager.publish({{"w": torch.full((8,), 9.0)}}, "policy", step=5, share=[{own_gid}])
+except DaemonRefused as exc:
+    say("NOT-ALLOWED", exc)
+while not os.path.exists("{flag}"):
+    time.sleep(0.05)
+stager.publish({{"w": torch.full((8,), 2.0)}}, "policy", step=2, share=["{group}"])
+say("SHARED")
+time.sleep(3600)
+"""
+
+#: The attacker follows the victim's channel (or one that does not exist).
+FOLLOW = """
+for name in ("policy", "no-such-channel"):
+    try:
+        subscriber = subscribe(name, owner={owner}, socket="{sock}")
+    except DaemonRefused as exc:
+        say("REFUSED", name, exc)
+        continue
+    with subscriber, subscriber.wait(timeout=10) as version:
+        say("READ", name, version.step, version.state()["w"].tolist())
+"""
+
+#: The attacker's own protocol client: subscribe, pin, and try to write what it got.
+WRITE_THROUGH = """
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect("{sock}")
+conn = Connection(Role.CLIENT)
+def request(op, rid, body):
+    sock.sendall(conn.send(op, rid, body))
+def frame():
+    while (got := conn.next_frame()) is None:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 253)
+        conn.receive_data(data, fds)
+    return got
+request("hello", 1, {{"version": protocol.PROTOCOL_VERSION, "client": "x", "pid": 1}})
+frame()
+request("subscribe", 2, {{"name": "policy", "owner": {owner}}})
+channel = frame().body["channel"]
+request("pin", 3, {{"channel": channel, "newer_than": None}})
+pinned = frame().body
+got = frame()
+say("SEGMENTS", got.op, len(got.fds), pinned["step"])
+for fd in got.fds:
+    say("MODE", fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY)
+    for attempt in ("mmap", "write", "truncate"):
+        try:
+            if attempt == "mmap":
+                mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            elif attempt == "write":
+                os.pwrite(fd, b"x", 0)
+            else:
+                os.ftruncate(fd, 0)
+            say("WROTE", attempt)
+        except OSError as exc:
+            say("DENIED", attempt, exc.errno)
+"""
+
+
+def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_descriptors(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    daemon = shared_daemon(toml=f'publish_groups = ["{GROUP}"]\n')
+    flag = arena / "share-now"
+    publisher = Actor(
+        victim,
+        PUBLISHER.format(sock=daemon.socket, flag=flag, group=GROUP, own_gid=victim.gid),
+    )
+    try:
+        publisher.wait_line("PUBLISHED")
+        refused = publisher.wait_line("NOT-ALLOWED")
+        assert f"gid(s) [{victim.gid}]" in refused and "publish_groups" in refused
+        before = run_as(attacker, FOLLOW.format(owner=victim.uid, sock=daemon.socket))
+        lines = [line for line in before.splitlines() if line.startswith(("REFUSED", "READ"))]
+        assert len(lines) == 2 and all(line.startswith("REFUSED") for line in lines), lines
+        # a channel that exists and one that does not get the same refusal
+        assert lines[0].split(" ", 2)[2] == lines[1].split(" ", 2)[2].replace(
+            "'no-such-channel'", "'policy'"
+        )
+        assert f"uid {attacker.uid} may not follow channel" in lines[0]
+        flag.touch()
+        publisher.wait_line("SHARED")
+        after = run_as(attacker, FOLLOW.format(owner=victim.uid, sock=daemon.socket))
+        assert "READ policy 2 [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]" in after, after
+        assert "REFUSED no-such-channel" in after
+        written = run_as(attacker, WRITE_THROUGH.format(owner=victim.uid, sock=daemon.socket))
+        assert "SEGMENTS ring_fds 1 2" in written, written
+        assert "MODE True" in written and "WROTE" not in written, written
+        assert written.count("DENIED") == 3
+    finally:
+        publisher.kill()
+    assert "internal error" not in daemon.log()
