@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -86,6 +87,27 @@ SETTLE_TIMEOUT: Final = 60.0
 _lock = threading.Lock()
 _offered: AdoptedLayout | None = None
 _timer: threading.Timer | None = None
+#: The daemon and the undoing of a restore's adoption still being prepared (``expect``).
+_expected: tuple[Path, Callable[[], None]] | None = None
+
+
+def expect(socket: Path, give_back: Callable[[], None]) -> None:
+    """A restore is adopting a layout of daemon ``socket`` for this process (``give_back``
+    undoes that). A Stager made before that restore offers the layout cannot take it
+    over, and its first save would register fresh segments beside it: it gives it back
+    instead (``claim``), so that the daemon retains it again and the Stager's
+    registration adopts it as any restarted trainer's does."""
+    global _expected
+    with _lock:
+        _expected = socket, give_back
+
+
+def expected_no_more(give_back: Callable[[], None]) -> None:
+    """The restore ``give_back`` came from is done with (taken, given back)."""
+    global _expected
+    with _lock:
+        if _expected is not None and _expected[1] == give_back:
+            _expected = None
 
 
 def offer(adopted: AdoptedLayout, keep: float) -> None:
@@ -106,11 +128,18 @@ def offer(adopted: AdoptedLayout, keep: float) -> None:
 def claim(socket: str | os.PathLike[str] | None) -> AdoptedLayout | None:
     """The adopted layout on offer for a Stager of daemon ``socket`` (None: the default),
     now this caller's to use and close; None when there is none."""
-    global _offered
+    global _offered, _expected
     path = Path(socket) if socket is not None else default_socket_path()
     with _lock:
-        adopted = _offered
-    if adopted is None or adopted.socket != path or not adopted.settled.wait(SETTLE_TIMEOUT):
+        adopted = _offered if _offered is not None and _offered.socket == path else None
+        expected = _expected if _expected is not None and _expected[0] == path else None
+        if adopted is None and expected is not None:
+            _expected = None
+        else:
+            expected = None
+    if expected is not None:
+        expected[1]()
+    if adopted is None or not adopted.settled.wait(SETTLE_TIMEOUT):
         return None
     with _lock:
         if _offered is not adopted or not adopted.connection.alive:

@@ -82,10 +82,13 @@ class PreparedRestore:
         socket: str | os.PathLike[str] | None,
         check: Check,
         keep: float,
+        under: str | os.PathLike[str] | None = None,
     ) -> None:
         #: The device whose context pins (None: no pinning — no CUDA, or not known yet).
         self.device = device
         self.socket = socket
+        #: Only a checkpoint whose directory is in this one (as ``latest(under=...)``).
+        self.under = under
         self.keep = keep
         self._check = check
         self.ready = threading.Event()
@@ -132,7 +135,7 @@ class PreparedRestore:
             self.socket, connect_timeout=2.0, client_name=f"shmstage-client pid {os.getpid()}"
         )
         try:
-            lease = MemoryLease.take(connection, "latest", {}, keep_fds=True)
+            lease = self._lease(connection)
             try:
                 if lease.fds is None:
                     raise NotPrepared("too few descriptors to tell the leased segments apart")
@@ -145,6 +148,16 @@ class PreparedRestore:
         except BaseException:
             connection.close()
             raise
+
+    def _lease(self, connection: DaemonConnection) -> MemoryLease:
+        """Lease the newest checkpoint (in ``under``: that directory, by its identity)."""
+        if self.under is None:
+            return MemoryLease.take(connection, "latest", {}, keep_fds=True)
+        fd = os.open(self.under, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return MemoryLease.take(connection, "latest", {}, [fd], keep_fds=True)
+        finally:
+            os.close(fd)
 
     def _pin_and_check(self) -> None:
         """Pin the checkpoint's slot while its tensors are checked against the record."""
@@ -212,7 +225,10 @@ class PreparedRestore:
             if self._taken or self._dropped:
                 return False
             self._taken = True
-        if self.ready.wait(timeout) and self.failure is None and self.adopted is not None:
+        began = time.perf_counter()
+        ready = self.ready.wait(timeout)
+        self.seconds["waited"] = time.perf_counter() - began
+        if ready and self.failure is None and self.adopted is not None:
             return True
         self.drop()
         return False
@@ -220,6 +236,7 @@ class PreparedRestore:
     def finish(self) -> None:
         """The restore read the checkpoint: the layout is the next Stager's to claim, for
         ``keep`` seconds (it waits for the other slots' pinning, ``AdoptedLayout.settled``)."""
+        handoff.expected_no_more(self.drop)
         with self._lock:
             adopted, self.adopted = self.adopted, None
         if adopted is not None:
@@ -227,6 +244,7 @@ class PreparedRestore:
 
     def drop(self) -> None:
         """Give everything back: now if the background work ended, else when it does."""
+        handoff.expected_no_more(self.drop)
         with self._lock:
             self._dropped = True
             adopted = self.adopted
@@ -337,11 +355,12 @@ def prepare(
     socket: str | os.PathLike[str] | None,
     check: Check,
     keep: float,
+    under: str | os.PathLike[str] | None = None,
 ) -> None:
     """Start adopting the caller's retained layout on a thread (see the module), kept for
     a restore for ``keep`` seconds; an earlier prepare not taken yet is given back."""
     global _prepared
-    prepared = PreparedRestore(device, socket, check, keep)
+    prepared = PreparedRestore(device, socket, check, keep, under)
     with _lock:
         earlier, _prepared = _prepared, prepared
     if earlier is not None:
@@ -349,6 +368,7 @@ def prepare(
     timer = threading.Timer(keep, prepared.expire)
     timer.daemon = True
     timer.start()
+    handoff.expect(_socket_path(socket), prepared.drop)  # a Stager made first gives it back
     prepared.start()
 
 

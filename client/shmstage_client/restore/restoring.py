@@ -274,6 +274,7 @@ def prepare_restore(
     device: str | torch.device = "cuda",
     *,
     keep: float = KEEP_AHEAD_S,
+    under: str | os.PathLike[str] | None = None,
     socket: str | os.PathLike[str] | None = None,
 ) -> None:
     """Get ready to restore to ``device`` while the process does other things: call it in
@@ -283,23 +284,29 @@ def prepare_restore(
 
     On threads of its own, while the model is built, it adopts the layout this user's
     previous trainer left retained in the daemon (``socket``) — the one holding the
-    user's newest checkpoint, unless a reader leases it — maps its slots, pins them with
-    CUDA and checks the checkpoint's tensors against their recorded checksums
-    (``restore.adoption``). ``latest()`` (or ``load``/``restore`` of that checkpoint)
-    within ``keep`` seconds then only copies it to the device, straight from the pinned
-    slot, and the process's next ``Stager`` takes the adopted layout over: its first save
-    maps, pins and creates nothing. Whatever no restore or Stager takes is given back
-    after ``keep`` seconds (the daemon retains the layout again). Where nothing can be
-    adopted (a first start, no daemon, a reader's lease), it makes the restore's pinned
-    staging (256 MiB faulted in and registered: ~60 ms on the GPU VMs) and grows the
-    descriptor table for a lease, as before; that staging is freed after ``keep``, and at
-    once when ``latest()`` finds no checkpoint to restore (a first start). A restore
-    needs no ``prepare_restore``. Not before CUDA is initialised: the staging's faults
-    then ran 5x slower and made the initialisation 30-50 ms longer on an H200 VM.
+    user's newest checkpoint (whose directory is in ``under``, when given: with several
+    trainers of one user on a node, each rank's), unless a reader leases it — maps its
+    slots, pins them with CUDA and checks the checkpoint's tensors against their recorded
+    checksums (``restore.adoption``). ``latest()`` (or ``load``/``restore`` of that
+    checkpoint) within ``keep`` seconds then only copies it to the device, straight from
+    the pinned slot, and the process's next ``Stager`` made after that restore takes the
+    adopted layout over: its first save maps, pins and creates nothing (a Stager made
+    before it gives the adoption back, and its first save adopts the layout as it always
+    did). Whatever no restore or Stager takes is given back after ``keep`` seconds (the
+    daemon retains the layout again).
+
+    Where nothing can be adopted (a first start, no daemon, a reader's lease), the restore
+    leases as it would unprepared, with its pinned staging made here (256 MiB faulted in
+    and registered: ~60 ms on the GPU VMs) and the descriptor table grown for the lease;
+    that staging is freed after ``keep``, and at once when ``latest()`` finds no
+    checkpoint to restore (a first start). A restore needs no ``prepare_restore``. Not
+    before CUDA is initialised: the staging's faults then ran 5x slower and made the
+    initialisation 30-50 ms longer on an H200 VM.
 
     On a node of several GPUs pass the rank's device ("cuda:3"), or call it after
     ``torch.cuda.set_device``: for a bare "cuda" before any CUDA call the device is not
-    known, so the memory is only faulted in here and registered by the restore.
+    known, so the memory is only faulted in here and registered by the restore, and the
+    adopted slot is read through that staging rather than pinned.
     """
     device = torch.device(device)
     if not (isinstance(keep, int | float) and 0 < keep < math.inf):
@@ -311,7 +318,7 @@ def prepare_restore(
     pinning = None
     if device.type == "cuda" and torch.cuda.is_available():
         pinning = host_staging.registering(device)
-    adoption.prepare(pinning, socket, _check_ahead, keep)
+    adoption.prepare(pinning, socket, _check_ahead, keep, under)
 
 
 def check_source(source: str) -> None:

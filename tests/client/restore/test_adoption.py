@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from harness import RawClient, assert_same, wait_for
-from shmstage_client import Stager, latest, load, prepare_restore
+from shmstage_client import Stager, handoff, latest, load, prepare_restore
 from shmstage_client.restore import adoption
 
 from shmstage.control import ControlClient
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_prepared() -> Iterator[None]:
+    """Each test's daemon is its own: what one left on offer is not the next one's."""
+    yield
+    prepared = adoption.take(None)  # any socket: dropped either way
+    if prepared is not None:
+        prepared.drop()
+    handoff.withdraw()
 
 
 def state(seed: int) -> dict:
@@ -150,3 +161,35 @@ def test_a_prepared_restore_by_path_reads_the_adopted_slot_only_for_that_checkpo
     newest = load(ckpt / "c2", with_info=True, socket=daemon.socket)
     assert newest.source == "memory" and "adopt" in newest.phases
     assert_same(newest.state, state(2))
+
+
+def test_a_stager_made_before_the_restore_gives_the_adoption_back_and_adopts_as_usual(
+    daemon, ckpt: Path
+) -> None:
+    killed_trainer(daemon, ckpt, 1, 2)
+    segments = sorted(daemon.segments())
+    prepare_restore("cpu", socket=daemon.socket)
+    daemon.wait_log("segments adopted from a retained layout")
+    with Stager(daemon.socket) as stager:  # before latest(): it cannot take the layout over
+        wait_for(lambda: status(daemon)["retained_layouts"] == 1, 10, "the layout retained")
+        restored = latest(socket=daemon.socket)
+        assert restored.source == "memory" and "adopt" not in restored.phases
+        stager.save(restored.state, ckpt / "c3").wait(60)
+        assert sorted(daemon.segments()) == segments  # adopted again, nothing created
+    assert_same(load(ckpt / "c3"), state(2))
+
+
+def test_a_prepare_under_a_directory_adopts_only_a_checkpoint_saved_there(
+    daemon, ckpt: Path
+) -> None:
+    killed_trainer(daemon, ckpt, 1)
+    elsewhere = ckpt / "elsewhere"
+    elsewhere.mkdir()
+    prepare_restore("cpu", under=elsewhere, socket=daemon.socket)
+    time.sleep(0.3)
+    assert "segments adopted" not in daemon.log()
+    assert adoption.take(daemon.socket) is None
+    prepare_restore("cpu", under=ckpt, socket=daemon.socket)
+    restored = latest(under=ckpt, socket=daemon.socket)
+    assert restored.source == "memory" and "adopt" in restored.phases
+    assert_same(restored.state, state(1))
