@@ -130,8 +130,9 @@ def _add_peers(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--methods",
         type=_methods,
-        default=list(METHOD_NAMES),
-        help=f"comma list (default all: {','.join(METHOD_NAMES)})",
+        default=None,
+        help=f"comma list (default all: {','.join(METHOD_NAMES)}; a peer named here runs "
+        "even beyond the tensor count it is known to cope with)",
     )
     g.add_argument("--repeats", type=int, default=3, help="saves after the first (median; 3)")
     g.add_argument(
@@ -228,6 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_sequence(p)
     _add_restore(p)
     args = p.parse_args(argv)
+    args.methods_named = args.methods is not None
+    if args.methods is None:
+        from .peers import METHOD_NAMES
+
+        args.methods = list(METHOD_NAMES)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.tensors < 1:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import time
 from dataclasses import replace
 from typing import Any
 
+from .budget import PROCESS_GRACE_S, Planner
 from .method import BenchContext, MethodResult
-from .peers import MethodJob, available_methods, run_method
+from .peers import MethodJob, available_methods, leftovers, remove_leftovers, run_method
 from .report import Column, Table, ratio
 from .session import BenchSession
 from .synthetic import SyntheticSpec, format_bytes
@@ -83,22 +85,63 @@ def _leak(res: MethodResult) -> str:
     return f"leaked {leaked} descriptors" if leaked >= LEAK_THRESHOLD else ""
 
 
+def _not_run(cls: Any, why: str) -> MethodResult:
+    return MethodResult(cls.name, cls.kind, cls.description, status="not run", note=why)
+
+
+def _beyond_scale(cls: Any, spec: SyntheticSpec, named: bool) -> str:
+    """Why a peer is not run at this tensor count (its own measured record), or ""."""
+    if cls.scale_limit is None or named:
+        return ""
+    tensors, evidence = cls.scale_limit
+    if spec.tensors <= tensors:
+        return ""
+    return f"skipped at {spec.tensors:,} tensors: {evidence}; name it in --methods to run it anyway"
+
+
 def _measure(
-    session: BenchSession, name: str, spec: SyntheticSpec, ctx: BenchContext
+    session: BenchSession,
+    name: str,
+    spec: SyntheticSpec,
+    ctx: BenchContext,
+    share_s: float | None = None,
+    stretch_s: float = 0.0,
 ) -> MethodResult:
-    """One method, in a process of its own: a row, whatever happens to that process."""
+    """One method, in a process of its own: a row, whatever happens to that process.
+
+    ``share_s``: what it may spend of ``--budget`` (see ``budget``; ``stretch_s`` more for a
+    first repeat); its process gets that plus a grace for starting and ending, and plans
+    its repeats to fit.
+    """
     args = session.args
     cls = available_methods()[name]
     if cls.kind == "shmstage" and not session.socket:
         return _failed(cls, session.daemon_error or "no shmstaged")
+    beyond = _beyond_scale(cls, spec, getattr(args, "methods_named", True))
+    if beyond:
+        session.log(f"{name}: {beyond}")
+        return _not_run(cls, beyond)
     root = session.root / name
-    job = MethodJob(name, spec, replace(ctx, root=root), args.repeats, args.save_timeout)
-    outcome = session.run(name, run_method, (job,), _method_timeout(args))
+    job = MethodJob(
+        name, spec, replace(ctx, root=root), args.repeats, args.save_timeout, share_s, stretch_s
+    )
+    timeout = _method_timeout(args)
+    if share_s is not None:
+        timeout = min(timeout, share_s + stretch_s + PROCESS_GRACE_S)
+    before = leftovers(cls)
+    outcome = session.run(name, run_method, (job,), timeout)
     shutil.rmtree(root, ignore_errors=True)  # also what a killed process left behind
+    remove_leftovers(cls, before)
     if outcome.ok:
         res = outcome.value
     else:
-        res = _failed(cls, outcome.error, outcome.traceback or outcome.log_tail[-1500:])
+        error = outcome.error
+        if share_s is not None and timeout < _method_timeout(args) and "hung" in error:
+            error = (
+                f"{error}: its share of the --budget ({share_s:.0f} s, plus "
+                f"{PROCESS_GRACE_S:.0f} s for its process) ran out before it handed back a row"
+            )
+        res = _failed(cls, error, outcome.traceback or outcome.log_tail[-1500:])
     leak = _leak(res)
     if leak:
         res.note = "; ".join(filter(None, [res.note, leak]))
@@ -112,21 +155,46 @@ def _measure_again(
     ctx: BenchContext,
     results: list[MethodResult],
 ) -> None:
-    """Measure limit ``name`` once more after the shmstage rows that followed it, and join
-    the samples, so that the ratio to it does not ride on where the disk's pace drifted."""
+    """Measure limit ``name`` once more after the rows that followed it, and join the
+    samples, so that the ratio to it does not ride on where the disk's pace drifted.
+    Its time was kept back from the start (``budget.closing_reserve``): it gets all
+    that is left."""
     before = next((r for r in results if r.name == name and r.status == "ok"), None)
     if before is None:
         return
     after = results[results.index(before) + 1 :]
-    if not any(r.kind == "shmstage" and r.status == "ok" for r in after):
+    if not any(r.status == "ok" for r in after):
         return
-    again = _measure(session, name, spec, ctx)
+    left = session.remaining()
+    again = _measure(session, name, spec, ctx, None if left is None else max(left, 0.0))
     if again.status != "ok":
         before.note = "; ".join(filter(None, [before.note, f"after the methods: {again.error}"]))
         return
     counts = f"samples: {len(before.samples)} before the methods, {len(again.samples)} after"
     before.samples += again.samples
     before.note = "; ".join(filter(None, [before.note, counts]))
+
+
+def _measure_all(
+    session: BenchSession, spec: SyntheticSpec, ctx: BenchContext
+) -> list[MethodResult]:
+    """Every selected method in turn, each within its share of what is left of
+    ``--budget``, the closing bracket's time kept back until it runs."""
+    names = list(session.args.methods)
+    methods = available_methods()
+    bracketed = [i for i, n in enumerate(names[:-1]) if n in BRACKETED]
+    planner = Planner([methods[n].kind for n in names], bracketed[0] if bracketed else None)
+    results: list[MethodResult] = []
+    for i, name in enumerate(names):
+        seconds, stretch, why = planner.next(i, session.remaining())
+        if why:
+            session.log(f"{name}: {why}")
+            results.append(_not_run(methods[name], why))
+            continue
+        started = time.monotonic()
+        results.append(_measure(session, name, spec, ctx, seconds, stretch))
+        planner.ran(i, time.monotonic() - started, results[-1].status == "ok")
+    return results
 
 
 def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
@@ -140,7 +208,7 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         direct_threads=args.direct_threads,
         direct_chunk=args.direct_chunk,
     )
-    results = [_measure(session, name, spec, ctx) for name in args.methods]
+    results = _measure_all(session, spec, ctx)
     for name in BRACKETED:
         _measure_again(session, name, spec, ctx, results)
     config = synthetic_config(args, spec) | {

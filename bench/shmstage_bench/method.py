@@ -20,6 +20,7 @@ import os
 import shutil
 import statistics
 import threading
+import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .budget import RepeatPlan
 from .isolation import describe_exception, open_fds
 from .pagecache import PageCacheSampler
 
@@ -109,6 +111,12 @@ class Method(ABC):
     name: ClassVar[str]
     kind: ClassVar[str] = "peer"  # "limit", "peer" or "shmstage"
     description: ClassVar[str]
+    #: (tensors, evidence): above this many tensors the peer is known not to finish a save
+    #: within a run's budget; the row says so instead of spending the budget to find out.
+    scale_limit: ClassVar[tuple[int, str] | None] = None
+    #: Node-wide paths (globs) the peer creates and leaves behind; those that were not
+    #: there before its process started are removed after it ends, however it ended.
+    leftovers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: BenchContext) -> None:
         self.ctx = ctx
@@ -162,7 +170,11 @@ class SaveHung(Exception):
 
 
 def _bounded(
-    fn: Callable[..., Timing], state_dict: StateDict, directory: Path, timeout: float | None
+    fn: Callable[..., Timing],
+    state_dict: StateDict,
+    directory: Path,
+    timeout: float | None,
+    why: str = "",
 ) -> Timing:
     """Run one save with a deadline, so that the rows measured before a hang survive it.
 
@@ -183,6 +195,8 @@ def _bounded(
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
+        if why:  # the budget's edge, not necessarily a hang
+            raise SaveHung(f"no result after {timeout:.0f} s, when {why}: abandoned")
         raise SaveHung(f"no result after {timeout:.0f} s: the method hung (abandoned)")
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
@@ -190,11 +204,11 @@ def _bounded(
 
 
 def _timed_save(
-    method: Method, state_dict: StateDict, directory: Path, timeout: float | None
+    method: Method, state_dict: StateDict, directory: Path, timeout: float | None, why: str = ""
 ) -> Timing:
     """One save, with the page cache sampled while it runs."""
     with PageCacheSampler() as sampler:
-        timing = _bounded(method.run_once, state_dict, directory, timeout)
+        timing = _bounded(method.run_once, state_dict, directory, timeout, why)
     if sampler.use is not None:
         timing.detail.update(sampler.use.detail())
     return timing
@@ -206,14 +220,18 @@ def measure(
     repeats: int,
     log: Callable[[str], None] = lambda s: None,
     timeout: float | None = None,
+    plan: RepeatPlan | None = None,
 ) -> MethodResult:
     """Run one method: a first save, then ``repeats`` more whose median is the result.
 
     The first save is kept apart because it pays one-off costs (allocating staging
     memory, spawning workers, registering layouts) that steady-state numbers must not
     hide and must not be polluted by. Every save goes to a new directory that is deleted
-    once durable, so disk use stays at one checkpoint per method.
+    once durable, so disk use stays at one checkpoint per method. With a ``plan`` (the
+    method's share of ``--budget``) a repeat runs only while it still fits, and the
+    row's note says how many of the asked repeats ran.
     """
+    plan = plan or RepeatPlan(repeats)
     res = MethodResult(method.name, method.kind, method.description, fds_before=open_fds())
     abandoned = False
     try:
@@ -224,10 +242,16 @@ def measure(
             log(f"{method.name}: skipped ({e})")
             return res
         for i in range(repeats + 1):
+            started = time.monotonic()
+            if i > 0 and not plan.next_fits(started):
+                break
             directory = method.ctx.root / f"{method.name}-{i}"
             shutil.rmtree(directory, ignore_errors=True)
+            limit = plan.save_timeout(started, timeout)
             try:
-                timing = _timed_save(method, state_dict, directory, timeout)
+                timing = _timed_save(
+                    method, state_dict, directory, limit, plan.hung_reason(limit, timeout)
+                )
             except MethodUnavailable as e:
                 res.status, res.note = "skipped", str(e)
                 log(f"{method.name}: skipped ({e})")
@@ -245,6 +269,7 @@ def measure(
             finally:
                 if not abandoned:
                     shutil.rmtree(directory, ignore_errors=True)
+            plan.done(time.monotonic() - started, first=i == 0)
             if i == 0:
                 res.first = timing
             else:
@@ -258,6 +283,8 @@ def measure(
         res.error = f"setup: {describe_exception(e)}"
         res.traceback = traceback.format_exc(limit=-8)
         log(f"{method.name}: {res.error}")
+        if res.status == "ok":
+            res.note = "; ".join(filter(None, [res.note, plan.cut_short()]))
     finally:
         try:
             if abandoned:

@@ -8,6 +8,8 @@ process runs), so that the descriptors a peer leaks, a hang or a crash stay ther
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import inspect
 import os
 import shutil
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .budget import RepeatPlan
 from .compute import ComputeLoop, median
 from .daemon import PrivateDaemon
 from .limits import DirectWrite, RawCopy, RawWrite
@@ -33,6 +36,7 @@ from .method import (
     Timing,
     fsync_dir,
     measure,
+    synchronize,
 )
 from .saves import save_parts
 from .synthetic import SyntheticSpec
@@ -198,6 +202,15 @@ def _import_nvrx(device: torch.device) -> Any:
     return core, filesystem_async, state_dict_saver
 
 
+#: Both nvidia-resiliency-ext methods hung in their first save at 10,000 tensors on an H100
+#: (abandoned after 90 s each; ``docs/performance.md``, 1 GiB / 10,000 tensors).
+NVRX_SCALE = (
+    10_000,
+    "nvidia-resiliency-ext hung in its first save at 10,000 tensors on an H100 (no result "
+    "after 90 s, 2026-11-23), so more would only spend its share of the budget",
+)
+
+
 class NvrxShmCached(Method):
     """nvidia-resiliency-ext async checkpointing, CPU shared-memory mode, cached structure.
 
@@ -209,6 +222,7 @@ class NvrxShmCached(Method):
 
     name = "nvrx-shm-cached"
     description = "nvidia-resiliency-ext FileSystemWriterAsync, CPU shm + cached structure"
+    scale_limit = NVRX_SCALE
 
     def setup(self, state_dict: StateDict) -> None:
         self.core, self.fsa, self.saver = _import_nvrx(self.device)
@@ -253,6 +267,7 @@ class NvrxTorchAsync(Method):
 
     name = "nvrx-torch-async"
     description = "nvidia-resiliency-ext TorchAsyncCheckpoint (torch.save in a persistent worker)"
+    scale_limit = NVRX_SCALE
 
     def setup(self, state_dict: StateDict) -> None:
         _import_nvrx(self.device)
@@ -276,6 +291,239 @@ class NvrxTorchAsync(Method):
         ckpt = getattr(self, "ckpt", None)
         if ckpt is not None:
             ckpt.close()
+
+
+def _peer_import(pip_name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` (a peer's imports), or a skip naming what to install and what was missing."""
+    try:
+        return fn()
+    except ImportError as e:
+        missing = f" (missing: {e.name})" if e.name else ""
+        raise MethodUnavailable(f"not installed: pip install {pip_name}{missing}") from None
+    except Exception as e:  # installed, but a build that does not import here
+        raise MethodUnavailable(f"{pip_name} not importable: {e!r}") from None
+
+
+def _restore_into(loaded: StateDict, state_dict: StateDict, device: torch.device) -> None:
+    """Copy a peer's restored tensors back into the trainer's (as ``load_state_dict`` would):
+    a restore is over when the bytes are where training needs them."""
+    for key, dst in state_dict.items():
+        dst.copy_(loaded[key], non_blocking=True)
+    synchronize(device)
+
+
+#: DLRover names its shared memory and sockets after TORCHELASTIC_RUN_ID and the shard; the
+#: bench gives each process a run id of its own, so that nothing it finds or leaves is another
+#: job's.
+DLROVER_RUN_ID = "shmstage-bench-{pid}"
+DLROVER_SHM = "/dev/shm/shmstage-bench-*_ckpt_shm_*"
+DLROVER_SOCKETS = "/tmp/ckpt_sock/shmstage-bench-*"
+
+
+class DlroverFlash(Method):
+    """DLRover Flash Checkpoint: the trainer copies into shared memory, a saver process persists.
+
+    Used as its docs do without ``dlrover-run``: a ``DdpCheckpointer`` starts the saver
+    process itself (one node, one rank). The stall is ``save_checkpoint`` (the copy into its
+    shared memory and the event to the saver); durable when the saver has written the step
+    into its tracker file. Its saver ``torch.save``s the state without fsync (only the tracker
+    is fsynced), so "durable" is the page cache for the data, as the row's note says.
+    """
+
+    name = "dlrover-flash"
+    description = "DLRover Flash Checkpoint: DdpCheckpointer → shm → its saver process (disk)"
+    leftovers = (DLROVER_SHM, DLROVER_SOCKETS)
+
+    def setup(self, state_dict: StateDict) -> None:
+        def imports() -> Any:
+            from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+            return DdpCheckpointer, StorageType
+
+        checkpointer_cls, self.storage_type = _peer_import("dlrover", imports)
+        os.environ["TORCHELASTIC_RUN_ID"] = DLROVER_RUN_ID.format(pid=os.getpid())
+        self.root = self.ctx.root / "dlrover"
+        self.ckpt = checkpointer_cls(str(self.root))
+        self.tracker = self.root / "dlrover_latest.txt"
+        self.step = 0
+        self.note = (
+            "durable = its tracker file names the step (the saver torch.saves the data "
+            "without fsync; the tracker is fsynced)"
+        )
+
+    def _persisted(self, step: int) -> bool:
+        try:
+            return self.tracker.read_text().strip() == str(step)
+        except FileNotFoundError:
+            return False
+
+    def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
+        self.step += 1
+        step = self.step
+        path = self.root / str(step) / "rank_0.pt"
+        t0 = time.perf_counter()
+        self.ckpt.save_checkpoint(step, state_dict, str(path), storage_type=self.storage_type.DISK)
+        stall = time.perf_counter() - t0
+        while not self._persisted(step):  # the bench's save timeout bounds this wait
+            time.sleep(0.002)
+        durable = time.perf_counter() - t0
+        detail: dict[str, Any] = {}
+        if step == 2:  # once (the first repeat): restoring from its shared memory
+            t1 = time.perf_counter()
+            _restore_into(self.ckpt.load_checkpoint(), state_dict, self.device)
+            detail["restore_s"] = restore_s = time.perf_counter() - t1
+            self.note += f"; restore from its shm to the {self.device.type}: {restore_s:.3f} s"
+        shutil.rmtree(path.parent, ignore_errors=True)  # one checkpoint on disk at a time
+        return Timing(stall, durable, detail)
+
+    def close(self) -> None:
+        engine = getattr(getattr(self, "ckpt", None), "_engine", None)
+        if engine is not None:
+            engine.close()
+        shutil.rmtree(getattr(self, "root", self.ctx.root / "dlrover"), ignore_errors=True)
+
+
+#: Where ML Flashpoint's checkpoints go: tmpfs, as its docs have it (its buffers are files
+#: mmapped there), one base container per bench process.
+FLASHPOINT_BASE = "/dev/shm/shmstage-bench-mlf-{pid}"
+
+
+class MlFlashpoint(Method):
+    """Google ML Flashpoint: DCP ``save`` through its ``MemoryStorageWriter`` into tmpfs.
+
+    Set up as its user guide's "PyTorch DCP" section does, on one node: a
+    ``CheckpointObjectManager``, a ``ReplicationManager`` (with one node its pairwise strategy
+    replicates to nobody; the bench passes a strategy that says so, because the default one
+    divides by ``torch.cuda.device_count()`` and fails without a GPU) and the writer. The
+    stall is the synchronous ``dcp.save`` (as its guide's sync save). Its checkpoints live
+    in memory only — on no disk, and across nodes only by replication — so the row has no
+    durable time; restoring is a ``dcp.load`` through its ``MemoryStorageReader``.
+    """
+
+    name = "ml-flashpoint"
+    description = "Google ML Flashpoint: dcp.save → MemoryStorageWriter (tmpfs, memory only)"
+    leftovers = (FLASHPOINT_BASE.format(pid="*"),)
+
+    def setup(self, state_dict: StateDict) -> None:
+        def imports() -> Any:
+            from ml_flashpoint.adapter.pytorch import memory_storage_reader, memory_storage_writer
+            from ml_flashpoint.checkpoint_object_manager import checkpoint_object_manager
+            from ml_flashpoint.core import checkpoint_id_types, checkpoint_loader, checkpoint_saver
+            from ml_flashpoint.replication import replication_manager
+
+            return (
+                memory_storage_writer,
+                memory_storage_reader,
+                checkpoint_object_manager,
+                checkpoint_id_types,
+                checkpoint_loader,
+                checkpoint_saver,
+                replication_manager,
+            )
+
+        os.environ.setdefault("MLFLASHPOINT_LOG_LEVEL", "WARNING")  # DEBUG by default
+        (writer_mod, reader_mod, objects, ids, loading, saving, replication) = _peer_import(
+            "ml-flashpoint", imports
+        )
+        import concurrent.futures
+
+        import torch.distributed as dist
+        from torch import multiprocessing as torch_mp
+
+        self.ctx.ensure_process_group()
+
+        class OneNode(replication.ReplicationStrategy):
+            def get_destination_addresses(self, global_rank: int) -> list[str]:
+                return []  # what its pairwise strategy answers on one node
+
+        manager = objects.CheckpointObjectManager()
+        self.replication = replication.ReplicationManager()
+        self.replication.initialize(manager, repl_strategy=OneNode([]))
+        self.mp_manager = torch_mp.Manager()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(self.mp_manager)
+        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        self.writer = writer_mod.MemoryStorageWriter(
+            checkpoint_saver=saving.DefaultMLFlashpointCheckpointSaver(
+                global_rank_getter=dist.get_rank,
+                local_rank_getter=lambda: 0,
+                global_barrier_func=dist.barrier,
+                ckpt_obj_manager=manager,
+                replication_manager=self.replication,
+                initial_buffer_size_bytes=nbytes + nbytes // 16 + (64 << 20),
+            ),
+            mp_manager_future=future,
+        )
+        self.loader = loading.DefaultMLFlashpointCheckpointLoader(
+            manager,
+            self.replication,
+            global_rank_getter=dist.get_rank,
+            local_rank_getter=lambda: 0,
+            broadcast_object_list_func=dist.broadcast_object_list,
+            all_gather_object_func=dist.all_gather_object,
+            world_size_getter=dist.get_world_size,
+        )
+        self.reader_cls = reader_mod.MemoryStorageReader
+        self.ids = ids.CheckpointContainerId
+        self.base = Path(FLASHPOINT_BASE.format(pid=os.getpid()))
+        self.step = 0
+        self.note = (
+            f"memory only: checkpoints in tmpfs ({self.base.parent}), on no disk, so no "
+            "durable time (multi-node jobs replicate them to a peer node's memory)"
+        )
+
+    def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
+        import torch.distributed.checkpoint as dcp
+
+        self.step += 1
+        checkpoint = self.ids.create_child(
+            self.ids(str(self.base)), self.ids.format_version_container(self.step)
+        )
+        t0 = time.perf_counter()
+        dcp.save(state_dict, checkpoint_id=str(checkpoint), storage_writer=self.writer)
+        # what its Megatron adapter does after a save: mark it complete (its loader finds no
+        # other) and start removing the older ones
+        cleaner = self.writer.checkpoint_saver.finalize_checkpoint(checkpoint)
+        stall = time.perf_counter() - t0
+        if cleaner is not None:
+            cleaner.wait(timeout=600)
+        detail: dict[str, Any] = {}
+        if self.step == 2 and self.device.type != "cuda":
+            self.note += "; restore not timed: its loader counts nodes by torch.cuda.device_count()"
+        elif self.step == 2:  # once (the first repeat): a restart's restore from its memory
+            t1 = time.perf_counter()
+            latest = self.loader.get_latest_complete_checkpoint(self.ids(str(self.base)))
+            if latest is None:
+                raise RuntimeError(f"ML Flashpoint found no complete checkpoint in {self.base}")
+            reader = self.reader_cls(path=str(latest), checkpoint_loader=self.loader)
+            dcp.load(state_dict, checkpoint_id=str(latest), storage_reader=reader)
+            synchronize(self.device)
+            detail["restore_s"] = restore_s = time.perf_counter() - t1
+            self.note += f"; restore (latest complete, dcp.load from its memory): {restore_s:.3f} s"
+        return Timing(stall, None, detail)
+
+    def close(self) -> None:
+        for name in ("mp_manager", "replication"):
+            thing = getattr(self, name, None)
+            if thing is not None:
+                thing.shutdown()
+        if hasattr(self, "base"):
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def leftovers(cls: type[Method]) -> set[str]:
+    """What matches a method's ``leftovers`` globs now (before its process starts)."""
+    return {path for pattern in cls.leftovers for path in glob.glob(pattern)}
+
+
+def remove_leftovers(cls: type[Method], before: set[str]) -> None:
+    """Remove what a method's process left behind that was not there before it started."""
+    for path in leftovers(cls) - before:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 # ------------------------------------------------------------------------- shmstage
@@ -401,6 +649,8 @@ METHODS: list[type[Method]] = [
     DcpAsyncDefaultStager,
     NvrxShmCached,
     NvrxTorchAsync,
+    DlroverFlash,
+    MlFlashpoint,
 ]
 METHOD_NAMES = [m.name for m in METHODS]
 
@@ -430,14 +680,20 @@ class MethodJob:
     ctx: BenchContext
     repeats: int
     save_timeout: float | None
+    #: Seconds this process may spend from its start (its share of ``--budget``), or None;
+    #: and how far its first repeat may overrun that.
+    share_s: float | None = None
+    stretch_s: float = 0.0
 
 
 def run_method(job: MethodJob) -> MethodResult:
     """In the method's own process: build the same state dict, measure, hand back the rows.
 
     The state dict is rebuilt here from the same spec and seed, so every method moves the
-    very same bytes without any tensor crossing a process boundary.
+    very same bytes without any tensor crossing a process boundary. The budget's share
+    counts from here, so building the state dict and the method's setup spend it too.
     """
+    plan = RepeatPlan.starting_now(job.repeats, job.share_s, job.stretch_s)
     cls = available_methods()[job.method]
     job.ctx.root.mkdir(parents=True, exist_ok=True)
 
@@ -446,4 +702,4 @@ def run_method(job: MethodJob) -> MethodResult:
 
     state_dict = job.spec.build()
     # No teardown: the process ends right after, which also ends what a peer left behind.
-    return measure(cls(job.ctx), state_dict, job.repeats, log, job.save_timeout)
+    return measure(cls(job.ctx), state_dict, job.repeats, log, job.save_timeout, plan)

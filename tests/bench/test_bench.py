@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 from harness import RunningDaemon
-from shmstage_bench import direct_io, report, restore
+from shmstage_bench import budget as budget_module
+from shmstage_bench import direct_io, peers, report, restore
 from shmstage_bench import session as session_module
 from shmstage_bench.daemon import _JOURNAL_IN_LOG, _journal_in
 from shmstage_bench.direct_io import AlignedBuffer, read_direct, write_direct
@@ -39,6 +41,8 @@ from shmstage_bench.synthetic import (
 from shmstage_client import Stager
 
 REPO = Path(__file__).resolve().parents[2]
+#: The peers whose packages the test environment may lack, with what to install.
+OPTIONAL_PEERS = {"dlrover-flash": "dlrover", "ml-flashpoint": "ml-flashpoint"}
 TINY = [
     "--device",
     "cpu",
@@ -210,6 +214,124 @@ def test_report_writes_text_json_and_chart_for_error_only_tables(tmp_path: Path)
     assert "chart written" in report.write_png(built, tmp_path / "r.png")
 
 
+# ------------------------------------------------------------ the budget's plan
+
+#: (name, kind, setup s, first save s, each repeat s): the 8 GiB / 500-tensor run on an H100
+#: (docs/perf/bench-8g.json, 2026-11-23; setup = process start + state dict + method setup),
+#: with DLRover and ML Flashpoint guessed at torch.save's and the raw copy's pace.
+H100_8G = [
+    ("raw-copy", "limit", 6, 0.2, 0.2),
+    ("raw-write-fsync", "limit", 8, 6.9, 7.0),
+    ("disk-limit-direct", "limit", 8, 4.0, 4.5),
+    ("shmstage-first", "shmstage", 6, 11.1, 9.2),
+    ("shmstage-steady", "shmstage", 6, 8.7, 4.5),
+    ("shmstage-busy", "shmstage", 15, 4.5, 5.0),
+    ("torch-save", "peer", 6, 15.4, 14.4),
+    ("dcp-save", "peer", 6, 15.2, 8.8),
+    ("dcp-async", "peer", 6, 15.5, 14.1),
+    ("dcp-async-stager", "peer", 6, 11.4, 11.4),
+    ("nvrx-shm-cached", "peer", 10, 23.1, 10.8),
+    ("nvrx-torch-async", "peer", 10, 15.0, 15.0),
+    ("dlrover-flash", "peer", 12, 16.0, 15.0),
+    ("ml-flashpoint", "peer", 8, 6.0, 4.0),
+]
+
+
+def simulate(budget: float, methods: list[tuple[str, str, float, float, float]], repeats: int):
+    """The peers scenario's plan on a fake clock: each method's process spends its setup, a
+    first save and the repeats its RepeatPlan lets through; the closing bracket gets what is
+    left. Returns {name: repeats run, or the reason it did not run} and the clock at the end."""
+    clock = 0.0
+    kinds = [m[1] for m in methods]
+    planner = budget_module.Planner(kinds, bracket_at=2)
+    ran: dict[str, Any] = {}
+
+    def left() -> float:
+        return budget - session_module.REPORT_RESERVE_S - clock
+
+    def child(name: str, setup: float, first: float, each: float, share: float, stretch=0.0):
+        nonlocal clock
+        plan = budget_module.RepeatPlan(repeats, clock + share, share, stretch)
+        clock += setup
+        cost, is_first = first, True
+        while True:
+            limit = plan.save_timeout(clock, 300.0)
+            if cost > limit:  # abandoned at its deadline, as _bounded does
+                clock += limit
+                return f"hung: {plan.hung_reason(limit, 300.0)}"
+            clock += cost
+            plan.done(cost, first=is_first)
+            cost, is_first = each, False
+            if not plan.next_fits(clock):
+                return plan.ran
+
+    for i, (name, _, setup, first, each) in enumerate(methods):
+        share, stretch, why = planner.next(i, left())
+        if why:
+            ran[name] = why
+            continue
+        started = clock
+        ran[name] = child(name, setup, first, each, share, stretch)
+        assert clock - started <= share + stretch + budget_module.PROCESS_GRACE_S, name
+        planner.ran(i, clock - started, True)
+    ran["closing bracket"] = child("closing", *methods[2][2:], share=left())
+    return ran, clock
+
+
+def test_the_budget_keeps_the_closing_bracket_and_cuts_only_the_slow_peers_repeats() -> None:
+    """8 GiB on an H100 with every method asks ~640 s; in 540 s every row still runs, the
+    limits and shmstage rows with all their repeats, and the bracket after them all."""
+    ran, clock = simulate(540, H100_8G, repeats=3)
+    assert clock <= 540 - session_module.REPORT_RESERVE_S
+    assert ran["closing bracket"] == 3
+    assert all(isinstance(n, int) and n >= 1 for n in ran.values()), ran
+    assert all(ran[name] == 3 for name, kind, *_ in H100_8G if kind != "peer"), ran
+    assert any(ran[name] < 3 for name, kind, *_ in H100_8G if kind == "peer"), ran
+    unlimited, _ = simulate(10_000, H100_8G, repeats=3)
+    assert set(unlimited.values()) == {3}
+
+
+def test_a_method_with_no_time_left_is_a_row_saying_why_and_the_bracket_keeps_its_time() -> None:
+    slow = [*H100_8G[:3], ("hangs", "peer", 5, 1000.0, 1000.0), *H100_8G[3:]]
+    ran, clock = simulate(200, slow, repeats=3)
+    assert clock <= 200 - session_module.REPORT_RESERVE_S
+    assert ran["hangs"].startswith("hung: its share of the --budget (")
+    assert ran["closing bracket"] >= 1
+    said = [r for r in ran.values() if isinstance(r, str)]
+    assert all(
+        r.startswith(("not run (budget): ", "hung: its share of the --budget")) for r in said
+    )
+    assert any("under the 8 s a method needs" in r for r in said), said
+
+
+def test_a_repeat_runs_only_while_the_last_save_still_fits_and_the_row_says_how_many() -> None:
+    plan = budget_module.RepeatPlan(wanted=3, deadline=100.0, share_s=100.0)
+    assert plan.save_timeout(10.0, 300.0) == 90.0  # never past the share's end
+    assert plan.hung_reason(90.0, 300.0) == "its share of the --budget (100 s) ended"
+    plan.done(40.0, first=True)
+    assert plan.next_fits(50.0)
+    plan.done(40.0, first=False)
+    assert not plan.next_fits(90.0)
+    assert plan.cut_short() == "1 repeat of 3 (budget: its share was 100 s; a save took 40.0 s)"
+    free = budget_module.RepeatPlan(wanted=2)
+    assert free.save_timeout(0.0, 300.0) == 300.0 and free.hung_reason(300.0, 300.0) == ""
+    for first in (True, False, False):
+        assert free.next_fits(1e9)
+        free.done(1e6, first=first)
+    assert not free.next_fits(0.0) and free.cut_short() == ""
+
+
+def test_a_peer_that_is_not_installed_is_a_row_naming_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Mock: dlrover may be installed in this environment; None in sys.modules makes its
+    # import fail exactly as a missing package does.
+    monkeypatch.setitem(sys.modules, "dlrover", None)
+    method = peers.DlroverFlash(BenchContext(device=torch.device("cpu"), root=Path("/nowhere")))
+    with pytest.raises(MethodUnavailable, match=r"^not installed: pip install dlrover"):
+        method.setup({"t": torch.zeros(4)})
+
+
 # ----------------------------------------------------------------------- scenarios
 
 
@@ -218,9 +340,14 @@ def test_peers_scenario_every_row_present(tmp_path: Path) -> None:
     rows = report.rows_by_name(rep, "methods")
     assert list(rows) == METHOD_NAMES
     assert rep["config"]["total_bytes"] == 4 << 20 and rep["config"]["tensors"] == 8
-    # nvidia-resiliency-ext is GPU-only: on CPU a skip is its result.
-    assert_ok(rows, *(n for n in METHOD_NAMES if not n.startswith("nvrx-")))
-    assert {rows[n]["status"] for n in METHOD_NAMES if n.startswith("nvrx-")} <= {"ok", "skipped"}
+    # nvidia-resiliency-ext is GPU-only: on CPU a skip is its result; DLRover and ML
+    # Flashpoint run where installed, and say what to install where not.
+    optional = {n for n in METHOD_NAMES if n.startswith("nvrx-")} | set(OPTIONAL_PEERS)
+    assert_ok(rows, *(n for n in METHOD_NAMES if n not in optional))
+    assert {rows[n]["status"] for n in optional} <= {"ok", "skipped"}
+    for name, dist in OPTIONAL_PEERS.items():
+        if importlib.util.find_spec(dist.replace("-", "_")) is None:
+            assert rows[name]["note"].startswith(f"not installed: pip install {dist}")
     for name in ("torch-save", "dcp-save", "dcp-async", "dcp-async-stager", "shmstage-steady"):
         assert rows[name]["stall_s"] > 0 and rows[name]["durable_s"] >= rows[name]["stall_s"]
     assert rows["raw-copy"]["stall_vs_raw_copy"] == pytest.approx(1.0)
