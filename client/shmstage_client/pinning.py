@@ -15,6 +15,7 @@ fails later with error 712).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import warnings
@@ -51,9 +52,13 @@ class PinnedRanges:
     def __len__(self) -> int:
         return len(self._bases)
 
-    def register(self, buffers: Sequence[torch.Tensor]) -> None:
+    def register(
+        self, buffers: Sequence[torch.Tensor], device: torch.device | None = None
+    ) -> None:
         """Touch and register each uint8 buffer, large layouts on several threads (see
-        ``segment.setup_groups``); all or nothing."""
+        ``segment.setup_groups``); all or nothing. ``device``: whose context the setup
+        threads register in (None: each thread's current device, device 0 in a new one —
+        which on a multi-GPU node would give the rank a context there)."""
         cudart.runtime()  # without CUDA this fails here, before any setup thread starts
 
         def pin(index: int) -> None:
@@ -61,7 +66,10 @@ class PinnedRanges:
             if buffer.numel() == 0:
                 return
             prefault(buffer)
-            register_range(buffer.data_ptr(), buffer.numel(), HOST_REGISTER_PORTABLE, self._bases)
+            with contextlib.nullcontext() if device is None else torch.cuda.device(device):
+                register_range(
+                    buffer.data_ptr(), buffer.numel(), HOST_REGISTER_PORTABLE, self._bases
+                )
 
         try:
             segment.in_parallel([buffer.numel() for buffer in buffers], pin)

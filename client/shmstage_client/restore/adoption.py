@@ -192,8 +192,7 @@ class PreparedRestore:
         whole = _bytes(region)
         ranges = PinnedRanges()
         try:
-            with torch.cuda.device(self.device):
-                ranges.register([whole[start:end] for start, end in pieces])
+            ranges.register([whole[start:end] for start, end in pieces], self.device)
         except PIN_FAILURES as exc:
             log.info("slot %d of an adopted layout stays unpinned: %s", index, exc)
             return []

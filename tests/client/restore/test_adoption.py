@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import RawClient, assert_same, wait_for
-from shmstage_client import Stager, handoff, latest, load, prepare_restore
+from shmstage_client import Stager, handoff, latest, load, pinning, prepare_restore
 from shmstage_client.restore import adoption
 
 from shmstage.control import ControlClient
@@ -193,3 +193,35 @@ def test_a_prepare_under_a_directory_adopts_only_a_checkpoint_saved_there(
     restored = latest(under=ckpt, socket=daemon.socket)
     assert restored.source == "memory" and "adopt" in restored.phases
     assert_same(restored.state, state(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_adopted_slot_is_pinned_ahead_and_the_first_save_registers_nothing(
+    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prepare pins the checkpoint's slot and the one the first save fills; latest()
+    copies straight out of the pinned slot to the device, and the Stager that takes the
+    layout over calls cudaHostRegister no more."""
+    torch.cuda.init()
+    gpu = {key: value.cuda() for key, value in state(1).items() if key != "nested"}
+    trainer = Stager(daemon.socket, slots=2)
+    trainer.save(gpu, ckpt / "c1").wait(60)
+    trainer.save(gpu, ckpt / "c2").wait(60)
+    trainer.close(retain=True)
+    wait_for(lambda: status(daemon)["retained_layouts"] == 1, 10, "the layout retained")
+    prepare_restore("cuda", socket=daemon.socket)
+    restored = latest(device="cuda", socket=daemon.socket)
+    assert (restored.source, restored.verified) == ("memory", True)
+    assert restored.phases["pin"] > 0 and {t.device.type for t in restored.state.values()} == {
+        "cuda"
+    }
+    assert_same(restored.state, gpu)
+    calls: list[int] = []
+    real = pinning.register_range
+    monkeypatch.setattr(
+        pinning, "register_range", lambda *args: (calls.append(args[1]), real(*args))[1]
+    )
+    with Stager(daemon.socket) as stager:
+        stager.save(restored.state, ckpt / "c3").wait(60)
+        assert stager.pinned and calls == []
+    assert_same({k: v.cuda() for k, v in load(ckpt / "c3").items()}, gpu)
