@@ -31,6 +31,10 @@ in place (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) on the H100 host:
 0.29-0.32 s against 0.51-0.56 s on 16 threads, both verified; pinning a fresh mapping costs
 per 4 KiB page, a memcpy does not. The pinned pieces are the process's staging
 (``host_staging``), which outlives a transfer; the bytes come from any ``sources.Source``.
+Where the pinning was paid ahead, off the restore's path — a restart's ``prepare_restore``
+adopts its own layout and pins the checkpoint's slot while the model is built, and checks
+it there too (``verify_in_place``) — the copy engine reads the slot directly
+(``transfer_pinned``): one pass over host memory, no staging.
 """
 
 from __future__ import annotations
