@@ -247,7 +247,7 @@ class ShmStageTrainerMixin:
         """What ``Trainer._save_checkpoint`` saves, as one shmstage save; returns after the
         copy (see the module's docstring)."""
         from transformers.trainer_callback import ExportableState
-        from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
+        from transformers.trainer_utils import SaveStrategy
 
         self._shmstage_check_supported()
         session = self._shm
@@ -288,11 +288,17 @@ class ShmStageTrainerMixin:
         )
         session.in_flight[output_dir] = handle
         session.last_save = handle
-        # Published checkpoints only: the one just saved is not listed until complete.
+        self._shmstage_rotate(run_dir)
+
+    def _shmstage_rotate(self, run_dir: str) -> None:
+        """``save_total_limit``, as the Trainer applies it, over the published checkpoints
+        only: one still being written is not listed until it is complete."""
+        from transformers.trainer_utils import rotate_checkpoints
+
         rotate_checkpoints(
             output_dir=run_dir,
-            save_total_limit=args.save_total_limit,
-            best_model_checkpoint=state.best_model_checkpoint,
+            save_total_limit=self.args.save_total_limit,  # type: ignore[attr-defined]
+            best_model_checkpoint=self.state.best_model_checkpoint,  # type: ignore[attr-defined]
             use_mtime=False,
         )
 
@@ -369,6 +375,8 @@ class ShmStageTrainerMixin:
                 raise
             session.resume = None
             session.close()
+            if self.args.save_total_limit:  # type: ignore[attr-defined]
+                self._shmstage_rotate(self.args.output_dir)  # type: ignore[attr-defined]
             return result
 
     def _shmstage_resolve(self, given: str | bool | os.PathLike[str]) -> Restored | str:

@@ -1,23 +1,37 @@
-"""A tiny Hugging Face training run in a process of its own, for the integration tests.
+"""A tiny Hugging Face training run, for the integration tests to run in processes of their own.
 
 A Llama of a few thousand parameters built from its config (nothing downloaded), an
-in-memory dataset, CPU. Prints one JSON line per event on stdout: ``restored`` (how a
-resume came back), ``log`` (the whole ``log_history`` at the end). ``--kill-at N``
-SIGKILLs the process at the end of step N, once the newest save is acknowledged by the
-daemon — a crash with a checkpoint in memory, for real.
+in-memory dataset, the CPU. The tests fork runs from a forkserver that imported this module
+(and with it transformers and TRL) once. ``train`` writes what the test checks to
+``result-<pid>.json`` in its work directory: the whole ``log_history``, how a resume came
+back, the Trainer's class name, what ``get_last_checkpoint`` and ``last_checkpoint``
+returned before training and, with ``watch``, what ``output_dir`` showed at each step.
+``kill_at=N`` SIGKILLs the process at the end of step N, once the newest save is
+acknowledged by the daemon: a crash with a checkpoint in the daemon's memory, for real.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import sys
+from pathlib import Path
+from typing import Any
 
 import torch
-from shmstage_client.integrations.transformers import ShmStageCallback
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+import trl
+from shmstage_client.integrations.transformers import ShmStageCallback, last_checkpoint
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+from shmstage import listing
 
 VOCAB = 32
 
@@ -36,30 +50,15 @@ def tiny_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def dataset(n: int = 32, length: int = 12) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    rows = torch.randint(0, VOCAB, (n, length), generator=generator)
-    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+def rows(n: int = 32, length: int = 12) -> torch.Tensor:
+    return torch.randint(0, VOCAB - 2, (n, length), generator=torch.Generator().manual_seed(1))
 
 
-class KillAt(TrainerCallback):
-    """SIGKILL at the end of a step, once the newest save is in the daemon's hands."""
-
-    def __init__(self, step: int, shm: object) -> None:
-        self.step, self.shm = step, shm
-
-    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if state.global_step == self.step:
-            self.shm.last_save.staged(60)  # type: ignore[attr-defined]
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def tokenizer():  # type: ignore[no-untyped-def]
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer made here: TRL wants one, and nothing may be downloaded."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
     core = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
@@ -67,66 +66,113 @@ def tokenizer():  # type: ignore[no-untyped-def]
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--save-steps", type=int, default=4)
-    parser.add_argument("--save-total-limit", type=int, default=None)
-    parser.add_argument("--kill-at", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--stock", action="store_true", help="no ShmStageCallback, no saves")
-    parser.add_argument("--trl", action="store_true", help="TRL's SFTTrainer")
-    opts = parser.parse_args()
+class KillAt(TrainerCallback):
+    """SIGKILL at the end of a step, once the newest save is in the daemon's hands."""
 
-    common = dict(
-        output_dir=opts.out,
-        max_steps=opts.steps,
+    def __init__(self, step: int, shm: Any) -> None:
+        self.step, self.shm = step, shm
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            self.shm.last_save.staged(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Watch(TrainerCallback):
+    """What ``output_dir`` shows at the end of each step: each ``checkpoint-N`` and
+    whether it is complete, whether the one ``get_last_checkpoint`` takes is, and what
+    ``last_checkpoint`` returns."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.seen: list[dict[str, Any]] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        visible = {
+            name: listing.inspect(Path(self.out, name)).state
+            for name in sorted(os.listdir(self.out))
+            if name.startswith("checkpoint-")
+        }
+        stock_last = get_last_checkpoint(self.out)  # the daemon may publish meanwhile
+        self.seen.append(
+            {
+                "step": state.global_step,
+                "visible": visible,
+                "stock_last": stock_last and listing.inspect(Path(stock_last)).state,
+                "last": last_checkpoint(self.out),
+            }
+        )
+
+
+def train(
+    workdir: str,
+    socket: str,
+    *,
+    steps: int = 12,
+    save_steps: int = 4,
+    save_total_limit: int | None = None,
+    kill_at: int = 0,
+    resume: bool = False,
+    stock: bool = False,
+    use_trl: bool = False,
+    watch: bool = False,
+) -> None:
+    """One run into ``workdir/out``; ``stock``: no ShmStageCallback and no checkpoints (the
+    uninterrupted reference run)."""
+    torch.set_num_threads(1)
+    out = os.path.join(workdir, "out")
+    common: dict[str, Any] = dict(
+        output_dir=out,
+        max_steps=steps,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
         logging_steps=1,
-        save_strategy="no" if opts.stock else "steps",
-        save_steps=opts.save_steps,
-        save_total_limit=opts.save_total_limit,
+        save_strategy="no" if stock else "steps",
+        save_steps=save_steps,
+        save_total_limit=save_total_limit,
         seed=0,
         use_cpu=True,
         report_to="none",
         disable_tqdm=True,
     )
-    callbacks: list[TrainerCallback] = []
+    callbacks: list[Any] = []
     shm = None
-    if not opts.stock:
-        shm = ShmStageCallback(socket=opts.socket)
+    if not stock:
+        shm = ShmStageCallback(socket=socket)
         callbacks.append(shm)
-    if opts.kill_at:
-        callbacks.append(KillAt(opts.kill_at, shm))
-    if opts.trl:
+    if kill_at:
+        callbacks.append(KillAt(kill_at, shm))
+    watcher = Watch(out) if watch else None
+    if watcher is not None:
+        callbacks.append(watcher)
+    if use_trl:
         from datasets import Dataset
-        from trl import SFTConfig, SFTTrainer
 
-        rows = [" ".join(f"w{int(t) % (VOCAB - 2)}" for t in r["input_ids"]) for r in dataset()]
-        trainer: Trainer = SFTTrainer(
+        text = [" ".join(f"w{int(t)}" for t in row) for row in rows()]
+        trainer: Trainer = trl.SFTTrainer(
             model=tiny_model(),
-            args=SFTConfig(**common, max_length=16, dataset_text_field="text"),
-            train_dataset=Dataset.from_dict({"text": rows}),
+            args=trl.SFTConfig(**common, max_length=16),
+            train_dataset=Dataset.from_dict({"text": text}),
             processing_class=tokenizer(),
             callbacks=callbacks,
         )
     else:
+        data = [{"input_ids": row, "labels": row.clone()} for row in rows()]
         trainer = Trainer(
-            model=tiny_model(),
-            args=TrainingArguments(**common),
-            train_dataset=dataset(),
+            model=tiny_model(), args=TrainingArguments(**common), train_dataset=data,
             callbacks=callbacks,
         )
-    trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    before = {
+        "stock_last": get_last_checkpoint(out) if os.path.isdir(out) else None,
+        "last": last_checkpoint(out),
+    }
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    result: dict[str, Any] = {
+        "before": before,
+        "class": type(trainer).__name__,
+        "losses": [entry for entry in trainer.state.log_history if "loss" in entry],
+        "seen": watcher.seen if watcher is not None else [],
+    }
     if shm is not None and shm.restored is not None:
-        restored = {"source": shm.restored.source, "path": str(shm.restored.path)}
-        print(json.dumps({"event": "restored", **restored}))
-    print(json.dumps({"event": "class", "name": type(trainer).__name__}))
-    print(json.dumps({"event": "log", "history": trainer.state.log_history}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        result["restored"] = {"source": shm.restored.source, "path": str(shm.restored.path)}
+    Path(workdir, f"result-{os.getpid()}.json").write_text(json.dumps(result))
