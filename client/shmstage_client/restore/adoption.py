@@ -135,11 +135,9 @@ class PreparedRestore:
             self.socket, connect_timeout=2.0, client_name=f"shmstage-client pid {os.getpid()}"
         )
         try:
-            lease = self._lease(connection)
+            leased: list[FileId] = []
+            lease = self._lease(connection, leased)
             try:
-                if lease.fds is None:
-                    raise NotPrepared("too few descriptors to tell the leased segments apart")
-                leased = [_identity(fd) for fd in lease.fds]
                 self.info = lease.body
                 lease.end()  # before adopting: a leased layout is never adopted
             finally:
@@ -149,15 +147,19 @@ class PreparedRestore:
             connection.close()
             raise
 
-    def _lease(self, connection: DaemonConnection) -> MemoryLease:
-        """Lease the newest checkpoint (in ``under``: that directory, by its identity)."""
-        if self.under is None:
-            return MemoryLease.take(connection, "latest", {}, keep_fds=True)
-        fd = os.open(self.under, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _lease(self, connection: DaemonConnection, identities: list[FileId]) -> MemoryLease:
+        """Lease the newest checkpoint (in ``under``: that directory, by its identity),
+        its segments' identities into ``identities``; nothing is read through the lease."""
+        fds = []
+        if self.under is not None:
+            fds.append(os.open(self.under, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         try:
-            return MemoryLease.take(connection, "latest", {}, [fd], keep_fds=True)
+            return MemoryLease.take(
+                connection, "latest", {}, fds, keep_fds=True, identities=identities
+            )
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
     def _pin_and_check(self) -> None:
         """Pin the checkpoint's slot while its tensors are checked against the record."""

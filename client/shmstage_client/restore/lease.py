@@ -87,11 +87,13 @@ class MemoryLease:
         *,
         timeout: float = REQUEST_TIMEOUT,
         keep_fds: bool = False,
+        identities: list[tuple[int, int]] | None = None,
     ) -> MemoryLease:
         """Ask for a lease (``op``: "lease" or "latest") and map what comes back — or, with
         ``keep_fds`` and room for them in this process, keep the descriptors (``source``
         reads through them); raises DaemonRefused ("not_retained" and others), DaemonLost
-        before the daemon answered, or LeaseBroken after (its answer kept)."""
+        before the daemon answered, or LeaseBroken after (its answer kept). ``identities``
+        gets each segment's (st_dev, st_ino), in order: which segments these are."""
         handle = connection.start(op, {**body, "max_fds": lease_batch()}, fds)
         lease: MemoryLease | None = None
         reply = None
@@ -116,6 +118,9 @@ class MemoryLease:
                     if received + len(frame.fds) > len(lease.sizes):
                         raise DaemonLost("shmstaged sent more segments than it leased")
                     for fd in frame.fds:
+                        if identities is not None:
+                            st = os.fstat(fd)
+                            identities.append((st.st_dev, st.st_ino))
                         if lease.fds is None:
                             lease.region.map(received, fd, writable=False)
                         else:
