@@ -69,7 +69,7 @@ Check = Callable[[MappedSource, dict[str, Any], list[int]], None]
 
 
 class NotPrepared(Exception):
-    """Why nothing was prepared (said in the debug log, and by ``latest`` when asked)."""
+    """Why nothing was prepared (said in the debug log; the restore leases as usual)."""
 
 
 class PreparedRestore:
@@ -280,12 +280,13 @@ def _register_adopting(
     layout = Layout.from_wire(tensors, max_tensors=1 << 30)
     sizes = layout.packing().sizes
     target = max(1, int(connection.welcome.get("default_slots", 2)))
+    limits = connection.welcome.get("limits") or {}
     handle = connection.start(
         "register",
         {
             "tensors": tensors,
-            "slots": 1,
-            "planned_slots": target,
+            "slots": 1,  # none created: the adopted layout's own slots, every one of them
+            "planned_slots": max(target, int(limits.get("max_slots", target))),
             "max_fds": receivable_fds(),
             "adopt_only": True,
         },
