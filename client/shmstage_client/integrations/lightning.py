@@ -64,8 +64,16 @@ log = logging.getLogger("shmstage.lightning")
 if TYPE_CHECKING:  # made on first use (``__getattr__``): Lightning is imported then
     ShmStageCheckpointIO: type
     ShmStageFSDPStrategy: type
+    ShmStageModelParallelStrategy: type
 
-__all__ = ["INSTALL_HINT", "ShmStageCheckpointIO", "ShmStageFSDPStrategy", "pack", "unpack"]
+__all__ = [
+    "INSTALL_HINT",
+    "ShmStageCheckpointIO",
+    "ShmStageFSDPStrategy",
+    "ShmStageModelParallelStrategy",
+    "pack",
+    "unpack",
+]
 
 INSTALL_HINT: Final = "pip install 'shmstage-client[lightning]'"
 
@@ -223,16 +231,12 @@ def install(new: Path, path: Path) -> None:
                 _AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(path), RENAME_EXCHANGE
             )
             if done == 0:
-                _delete(new)  # what path held
+                _discard(new)  # what path held
                 return
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise OSError(err, os.strerror(err), str(path))
-        aside = _hidden(path, _REMOVING)
-        os.rename(path, aside)
-        os.rename(new, path)
-        _delete(aside)
-        return
+        _discard(path)
     os.rename(new, path)
 
 
@@ -244,16 +248,25 @@ def remove(path: Path) -> None:
     if os.path.islink(path) or not os.path.isdir(path):
         os.unlink(path)
         return
+    _discard(path)
+
+
+def _discard(path: Path) -> None:
+    """Move ``path`` aside under a name nothing installs or lists, then delete it."""
     aside = _hidden(path, _REMOVING)
     os.rename(path, aside)
     _delete(aside)
 
 
 def _delete(path: Path) -> None:
+    """Delete ``path``; a checkpoint directory's manifest first, so that what a crash
+    leaves half-deleted is never taken for a complete checkpoint."""
     if os.path.islink(path) or not os.path.isdir(path):
         os.unlink(path)
-    else:
-        shutil.rmtree(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path / MANIFEST_NAME)
+    shutil.rmtree(path)
 
 
 def sweep(directory: Path) -> None:
@@ -275,7 +288,10 @@ def sweep(directory: Path) -> None:
 def finish_replacements(path: Path) -> None:
     """Install the newest complete replacement of ``path`` that a dead process saved but
     did not live to install (killed between the save being durable and the exchange): its
-    checkpoint is newer than what ``path`` names, and the process meant it to be there."""
+    checkpoint is newer than what ``path`` names, and the process meant it to be there.
+    One killed right after the exchange left the *older* checkpoint under that name (or
+    part of it, its manifest deleted first): that one is older than ``path``'s, and only
+    deleted."""
     prefix = f".{path.name}{_REPLACING}"
     found: list[tuple[int, Path]] = []
     try:
@@ -296,20 +312,29 @@ def finish_replacements(path: Path) -> None:
     for *_, leftover in found[:-1]:
         with contextlib.suppress(OSError):
             _delete(leftover)
-    if found and found[-1][0] >= 0:
+    try:
+        current = os.stat(path / MANIFEST_NAME).st_mtime_ns
+    except OSError:
+        current = -1
+    if found and found[-1][0] > current:  # not the older one an exchange put aside
         newest = found[-1][2]
         log.info("shmstage: installing %s, saved by a process that died before it could", newest)
         install(newest, path)
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return status.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 class _Finisher:
@@ -670,18 +695,224 @@ def _checkpoint_io_class() -> type:
     return _built["ShmStageCheckpointIO"]
 
 
-def _fsdp_strategy_class() -> type:
-    if "ShmStageFSDPStrategy" not in _built:
-        from shmstage_client.integrations import lightning_fsdp
+# -- sharded strategies -------------------------------------------------------------------
 
-        _built["ShmStageFSDPStrategy"] = lightning_fsdp.build()
-    return _built["ShmStageFSDPStrategy"]
+
+class _ShmStageSharded:
+    """What makes a Lightning strategy that saves sharded checkpoints with PyTorch DCP
+    itself (``FSDPStrategy(state_dict_type="sharded")``, ``ModelParallelStrategy``) save
+    them through ``shmstage_client.dcp`` instead.
+
+    Lightning writes such a checkpoint as a directory of DCP files plus ``meta.pt`` (the
+    rest of the checkpoint dict, ``torch.save``-d by rank 0 after the DCP save): a directory
+    visible while it is written, its two parts published apart. Here the same state goes to
+    ``dcp.save`` with a ``ShmStageWriter`` — every rank's shards staged and written by its
+    node's shmstaged, the directory published atomically once every rank's part is durable
+    — and the rest of the dict is one more (pickled) object of that same DCP checkpoint. A
+    path that exists (``last.ckpt``) is saved beside it and exchanged with it by rank 0.
+    ``dcp.save`` returns once the checkpoint is durable: the stall is the whole write
+    (these strategies' saves are synchronous in Lightning too). Loads read each rank's file from
+    its daemon's memory when it holds it (``last_sources``: rank file -> "memory"/"files").
+    Checkpoints of the strategy's other mode (full state dicts) go through its CheckpointIO
+    as before — give it a ``ShmStageCheckpointIO``.
+    """
+
+    #: The key of the model's state in the DCP checkpoint: Lightning's own, per strategy.
+    _shm_model_key = "model"
+
+    def __init__(
+        self,
+        *args: Any,
+        socket: str | os.PathLike[str] | None = None,
+        slots: int | None = None,
+        source: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        check_source(source)
+        super().__init__(*args, **kwargs)
+        self.shmstage_socket = socket
+        self.shmstage_source = source
+        self._shm_slots = slots
+        self._shm_writer: Any = None
+        self.last_sources: dict[int, str] = {}
+
+    def _shm_sharded(self) -> bool:
+        raise NotImplementedError
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._shm_sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options={storage_options!r}): "
+                "shmstage takes no storage options; save without them"
+            )
+        import torch.distributed.checkpoint as dcp
+
+        from shmstage_client.dcp import ShmStageWriter
+
+        path = _local_path(self.broadcast(os.fspath(filepath)))
+        target = path
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(path):
+                target = _hidden(path, _REPLACING)
+        target = Path(self.broadcast(str(target)))
+        state = {self._shm_model_key: checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = optimizer_state
+        rest = io.BytesIO()
+        torch.save(checkpoint, rest)
+        state[PICKLED] = rest.getvalue()
+        if self._shm_writer is None:
+            self._shm_writer = ShmStageWriter(socket=self.shmstage_socket, slots=self._shm_slots)
+        dcp.save(state, checkpoint_id=target, storage_writer=self._shm_writer)
+        if self.is_global_zero and target != path:
+            install(target, path)
+        self.barrier("ShmStage sharded save")
+        return None
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        from shmstage_client.dcp import MARKER_NAME, ShmStageReader
+
+        path = _local_path(self.broadcast(os.fspath(checkpoint_path)))
+        if not (path / MARKER_NAME).is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self.last_sources = {}
+
+        def reader() -> ShmStageReader:
+            made = ShmStageReader(path, source=self.shmstage_source, socket=self.shmstage_socket)
+            readers.append(made)
+            return made
+
+        readers: list[ShmStageReader] = []
+        rest = self._shm_load_states(reader)
+        for made in readers:
+            self.last_sources.update(made.sources)
+        return torch.load(io.BytesIO(rest), weights_only=weights_only)
+
+    def _shm_load_states(self, reader: Callable[[], Any]) -> bytes:
+        raise NotImplementedError
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove(_local_path(filepath))
+
+    def teardown(self) -> None:
+        writer, self._shm_writer = self._shm_writer, None
+        try:
+            super().teardown()  # type: ignore[misc]
+        finally:
+            if writer is not None:
+                writer.close()
+
+
+class _ModelParallelSharded(_ShmStageSharded):
+    """``ModelParallelStrategy`` (FSDP2, tensor parallel): DTensor state dicts."""
+
+    _shm_model_key = "state_dict"
+
+    def _shm_sharded(self) -> bool:
+        return bool(self._save_distributed_checkpoint)  # type: ignore[attr-defined]
+
+    def _shm_load_states(self, reader: Callable[[], Any]) -> bytes:
+        """What Lightning's ``_load_checkpoint`` does for a sharded checkpoint, with our
+        reader: the model, then each optimizer, then the rest."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model  # type: ignore[attr-defined]
+        strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
+        state: dict[str, Any] = {self._shm_model_key: get_model_state_dict(module), PICKLED: b""}
+        dcp.load(state, storage_reader=reader())
+        module.load_state_dict(state[self._shm_model_key], strict=strict)
+        for i, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
+            key = f"optimizer_{i}"
+            optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+            dcp.load(optimizer_state, storage_reader=reader())
+            set_optimizer_state_dict(
+                module, optimizer, optim_state_dict=optimizer_state[key],
+                options=StateDictOptions(cpu_offload=True),
+            )  # fmt: skip
+        return state[PICKLED]
+
+
+class _FSDPSharded(_ShmStageSharded):
+    """``FSDPStrategy(state_dict_type="sharded")`` (FSDP1): sharded state dicts."""
+
+    def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+    def _shm_sharded(self) -> bool:
+        return self._state_dict_type == "sharded"  # type: ignore[attr-defined]
+
+    def _shm_load_states(self, reader: Callable[[], Any]) -> bytes:
+        """What ``FSDPStrategy.load_checkpoint`` does for a sharded checkpoint, with our
+        reader."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        module = self.model  # type: ignore[attr-defined]
+        lightning_fsdp = importlib.import_module(self._shm_base_module)  # type: ignore[attr-defined]
+        with lightning_fsdp._get_sharded_state_dict_context(module):
+            state: dict[str, Any] = {"model": module.state_dict(), PICKLED: b""}
+            dcp.load(state, storage_reader=reader())
+            module.load_state_dict(
+                state["model"], strict=self.lightning_module.strict_loading  # type: ignore[attr-defined]
+            )
+            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+            if trainer.state.fn == "fit" and self.optimizers:  # type: ignore[attr-defined]
+                for i, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
+                    key = f"optimizer_{i}"
+                    loaded = load_sharded_optimizer_state_dict(
+                        model_state_dict=state["model"], optimizer_key=key, storage_reader=reader()
+                    )
+                    optimizer.load_state_dict(
+                        FSDP.optim_state_dict_to_load(
+                            optim_state_dict=loaded[key], model=module, optim=optimizer
+                        )
+                    )
+        return state[PICKLED]
+
+
+def _strategy_class(name: str, base_name: str, mixin: type) -> type:
+    """``name``: ``mixin`` over the Lightning strategy ``base_name`` (of ``lightning`` when
+    installed, else of ``pytorch_lightning``)."""
+    if name not in _built:
+        for namespace in ("lightning.pytorch.strategies", "pytorch_lightning.strategies"):
+            try:
+                base = getattr(importlib.import_module(namespace), base_name)
+                break
+            except ImportError:
+                continue
+        else:
+            raise _missing(name)
+        _built[name] = type(
+            name,
+            (mixin, base),
+            {"__module__": __name__, "__doc__": mixin.__doc__, "_shm_base_module": base.__module__},
+        )
+    return _built[name]
+
+
+_STRATEGIES: Final = {
+    "ShmStageFSDPStrategy": ("FSDPStrategy", _FSDPSharded),
+    "ShmStageModelParallelStrategy": ("ModelParallelStrategy", _ModelParallelSharded),
+}
 
 
 def __getattr__(name: str) -> Any:
     if name == "ShmStageCheckpointIO":
         return _checkpoint_io_class()
-    if name == "ShmStageFSDPStrategy":
-        return _fsdp_strategy_class()
+    if name in _STRATEGIES:
+        return _strategy_class(name, *_STRATEGIES[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -104,3 +104,50 @@ def fit(
         "path": str(restored.path) if restored else None,
     }
     Path(workdir, f"result-{os.getpid()}.json").write_text(json.dumps(result))
+
+
+class ShardedModel(Model):
+    """``Model`` sharded with FSDP2 over the data-parallel ranks; each rank its own data."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.global_step * 10 + self.global_rank)
+        x = torch.randn(BATCH, self.hparams.width, generator=generator)
+        loss = torch.nn.functional.mse_loss(self.net(x), x.sum(dim=1, keepdim=True).sin())
+        self.losses.append((self.global_step, loss.item().hex()))
+        return loss
+
+
+def sharded_fit(
+    rank: int, port: int, workdir: str, socket: str, steps: int, ckpt_path: str | None = None
+) -> None:
+    """One of 2 gloo ranks training ``ShardedModel`` with ``ShmStageModelParallelStrategy``
+    for ``steps`` steps, checkpointing every 4; losses and how a resume restored go to
+    ``workdir/sharded-<rank>-<pid>.json``."""
+    from shmstage_client.integrations.lightning import ShmStageModelParallelStrategy
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+        LOCAL_RANK=str(rank), NODE_RANK="0", SHMSTAGE_SOCKET=socket,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = ShardedModel()
+    strategy = ShmStageModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, socket=socket
+    )
+    checkpoints = ModelCheckpoint(
+        dirpath=Path(workdir) / "ckpt", every_n_train_steps=4, save_top_k=-1, save_last=True
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, max_steps=steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[checkpoints], deterministic=True,
+    )  # fmt: skip
+    trainer.fit(model, ckpt_path=ckpt_path)
+    result = {"losses": model.losses, "sources": sorted(set(strategy.last_sources.values()))}
+    Path(workdir, f"sharded-{rank}-{os.getpid()}.json").write_text(json.dumps(result))
