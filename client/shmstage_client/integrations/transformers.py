@@ -534,19 +534,25 @@ def _build_callback() -> type:
         ) -> None:
             self.options = ShmStageOptions(socket, slots, overlap, restore_device)
             self.trainer: Any = None
+            self.late = False
 
         def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._bind(_calling_trainer(self))
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.trainer is None:  # added with add_callback after the Trainer was built
-                trainer = _calling_trainer(self)
-                self._bind(trainer)
+                self._bind(_calling_trainer(self))
+                self.late = True
                 log.warning(
                     "ShmStageCallback was added after the Trainer was built: this train() "
                     "call resumed through the Trainer's own loaders; pass it in "
                     "Trainer(callbacks=[...]) to resume through shmstage"
                 )
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.late:  # the mixin's train() did not start this call: end it here
+                self.late = False
+                self.trainer._shm.close()
 
         def _bind(self, trainer: Any) -> None:
             trainer.__class__ = _with_mixin(type(trainer))

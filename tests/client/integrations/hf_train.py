@@ -116,6 +116,7 @@ def train(
     stock: bool = False,
     use_trl: bool = False,
     watch: bool = False,
+    best: bool = False,
 ) -> None:
     """One run into ``workdir/out``; ``stock``: no ShmStageCallback and no checkpoints (the
     uninterrupted reference run)."""
@@ -135,6 +136,11 @@ def train(
         report_to="none",
         disable_tqdm=True,
     )
+    if best:  # evaluate at each save, keep the best, load it at the end
+        common |= dict(
+            eval_strategy="steps", eval_steps=save_steps, load_best_model_at_end=True,
+            metric_for_best_model="loss", greater_is_better=False,
+        )
     callbacks: list[Any] = []
     shm = None
     if not stock:
@@ -160,7 +166,7 @@ def train(
         data = [{"input_ids": row, "labels": row.clone()} for row in rows()]
         trainer = Trainer(
             model=tiny_model(), args=TrainingArguments(**common), train_dataset=data,
-            callbacks=callbacks,
+            eval_dataset=data[:8] if best else None, callbacks=callbacks,
         )
     before = {
         "stock_last": get_last_checkpoint(out) if os.path.isdir(out) else None,
@@ -173,6 +179,10 @@ def train(
         "losses": [entry for entry in trainer.state.log_history if "loss" in entry],
         "seen": watcher.seen if watcher is not None else [],
     }
+    if best:
+        result["best"] = trainer.state.best_model_checkpoint
+        model = {key: value.tolist() for key, value in trainer.model.state_dict().items()}
+        Path(workdir, "final-model.json").write_text(json.dumps(model))
     if shm is not None and shm.restored is not None:
         result["restored"] = {"source": shm.restored.source, "path": str(shm.restored.path)}
     Path(workdir, f"result-{os.getpid()}.json").write_text(json.dumps(result))

@@ -169,3 +169,19 @@ def test_resume_and_last_checkpoint_skip_a_newer_checkpoint_another_user_planted
     assert resumed["before"]["stock_last"] == str(planted)  # what the Trainer alone takes
     assert resumed["restored"]["path"] == str(out / "checkpoint-4")
     assert [e["step"] for e in resumed["losses"]] == list(range(1, 7))
+
+
+def test_load_best_model_at_end_waits_for_the_best_checkpoint_and_loads_it(
+    forks: Any, module_daemon: RunningDaemon, tmp_path: Path
+) -> None:
+    import torch
+    from shmstage_client import load
+
+    result = run(forks, tmp_path, module_daemon.socket, steps=8, save_steps=2, best=True)
+    best = result["best"]
+    assert best is not None and Path(best).parent == tmp_path / "out"
+    saved = load(best, socket=module_daemon.socket)
+    final = json.loads((tmp_path / "final-model.json").read_text())
+    assert final.keys() == {key for key in saved if key != "hf_trainer"}
+    for key, values in final.items():
+        assert torch.equal(torch.tensor(values, dtype=saved[key].dtype), saved[key]), key
