@@ -216,16 +216,20 @@ def _build_manager_class() -> type:
                     raise ValueError(
                         f"restore_source={self.restore_source!r}: use auto, files or memory"
                     )
-                if filesystem.is_remote(self.folder):
-                    raise ValueError(
-                        f"checkpoint folder {self.folder!r} is remote: shmstaged writes to a "
-                        "POSIX filesystem of its node (local disk or a shared mount)"
-                    )
                 for name in ("save_timeout", "request_timeout"):
                     if getattr(self, name) <= 0:
                         raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
 
         def __init__(self, config: Config, **components: Any) -> None:
+            if config.enable:  # refusals before torchtitan starts its purge thread
+                folder = filesystem.join(components.get("base_folder", ""), config.folder)
+                if filesystem.is_remote(folder):
+                    raise ValueError(
+                        f"checkpoint folder {folder!r} is remote: shmstaged writes to a POSIX "
+                        "filesystem of its node (local disk or a shared mount)"
+                    )
+                if not config.load_only:
+                    _check_daemon(config.socket)
             super().__init__(config, **components)
             if not self.enable:
                 return
@@ -238,13 +242,6 @@ def _build_manager_class() -> type:
             #: After each load from shmstage: rank -> "memory" or "files".
             self.last_load_sources: dict[int, str] = {}
             self._stock_writer = False
-            if filesystem.is_remote(self.folder):
-                raise ValueError(
-                    f"checkpoint folder {self.folder!r} is remote: shmstaged writes to a POSIX "
-                    "filesystem of its node (local disk or a shared mount)"
-                )
-            if not self.load_only:
-                _check_daemon(config.socket)
             guarded = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
             self.writer = ShmStageWriter(
                 socket=config.socket,
@@ -286,8 +283,8 @@ def _build_manager_class() -> type:
                 self.save_future.add_done_callback(_report_failure(checkpoint_id))
             self._purge_stale_checkpoints()
             log.info(
-                "shmstage: %s %s in %.3f s", "staged" if result is not None else "saved",
-                checkpoint_id, time.monotonic() - begin,
+                "shmstage: checkpoint %s: save() returned in %.3f s%s", checkpoint_id,
+                time.monotonic() - begin, "" if result is None else ", written in the background",
             )
             return True
 

@@ -4,7 +4,8 @@ What runs: torchtitan's own config machinery (``ConfigManager`` parsing its comm
 ``--override.imports`` with our override, ``apply_overrides``), its ``OptimizersContainer``,
 ``LRSchedulersContainer``, ``ParallelAwareDataloader``, ``ModelWrapper`` and the manager
 built by ``config.checkpoint.build(...)`` with the trainer's arguments, called where
-``Trainer.train`` calls it, at world size 2 with an FSDP2-sharded model (``titan_ranks.py``).
+``Trainer.train`` calls it, at world size 2 with an FSDP2-sharded model, each rank a process
+of its own (``titan_ranks.py``, which forks them after importing torchtitan once).
 What does not: ``torchtitan.trainer.Trainer`` itself, which needs triton and a CUDA device
 (its model registry imports triton kernels), so the loop is ``titan_ranks.Run``'s copy of it.
 """
@@ -14,84 +15,45 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import RunningDaemon, start_daemon
+from harness import start_daemon
 
 from shmstage import segment
 
 pytest.importorskip("torchtitan.components.checkpointer")
 
 RANKS = Path(__file__).with_name("titan_ranks.py")
-OVERRIDE = "shmstage_client.integrations.torchtitan.shmstage_checkpoint"
 RUN_TIMEOUT = 150.0
-
-
-def launch(scenario: str, world_size: int, work: Path, daemon: RunningDaemon, *titan: str) -> Any:
-    """Start one process per rank; ``finish`` waits for them."""
-    return [
-        subprocess.Popen(
-            [sys.executable, str(RANKS), scenario, "--rank", str(rank),
-             "--world-size", str(world_size), "--work", str(work),
-             "--socket", str(daemon.socket), "--", *titan],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-
-
-def finish(scenario: str, procs: list[Any], work: Path, *, exit_code: int = 0) -> list[dict]:
-    """Every rank must exit with ``exit_code`` within RUN_TIMEOUT; their results."""
-    deadline = time.monotonic() + RUN_TIMEOUT
-    try:
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [
-        f"{scenario} rank {rank} exited {p.returncode}:\n{err[-4000:]}"
-        for rank, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True))
-        if p.returncode != exit_code
-    ]
-    assert not failed, "\n".join(failed)
-    return [
-        json.loads((work / f"result-{scenario}-{rank}.json").read_text())
-        for rank in range(len(procs))
-    ]
+SCENARIOS = {"first": 2, "modes": 1, "resume": 2}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A run killed after step 8's training (checkpoints at 2, 4, 6; the override's default
-    mode), the same command resumed to step 10 (mode "async"), and beside the first, one
-    rank with the manager's Config set in a config function (mode "disabled")."""
+    mode); beside it, one rank with the manager's Config set in a config function (mode
+    "disabled"); then the killed run's command again, resumed to step 10 (mode "async")."""
     work = tmp_path_factory.mktemp("titan")
     daemon = start_daemon(work / "node")
     try:
-        override = f'{OVERRIDE}={{"socket": "{daemon.socket}"}}'
-        first = launch(
-            "first", 2, work, daemon, "--checkpoint.enable", "--override.imports", override
+        done = subprocess.run(
+            [sys.executable, str(RANKS), "--work", str(work), "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
         )
-        modes = launch("modes", 1, work, daemon)
-        results = {
-            "first": finish("first", first, work, exit_code=-9),  # SIGKILLed, as planned
-            "modes": finish("modes", modes, work),
+        exits = json.loads((work / "exits.json").read_text()) if done.returncode == 0 else {}
+        expected = {f"{name}-{r}": 0 for name, size in SCENARIOS.items() for r in range(size)}
+        expected |= {"first-0": -9, "first-1": -9}  # SIGKILLed, as planned
+        why = f"exits {exits}, launcher exit {done.returncode}:\n{done.stderr[-6000:]}"
+        assert exits == expected, why
+        results: dict[str, Any] = {
+            name: [json.loads((work / f"result-{name}-{r}.json").read_text()) for r in range(size)]
+            for name, size in SCENARIOS.items()
         }
-        resumed = override.replace("}", ', "async_mode": "async"}')
-        results["resume"] = finish(
-            "resume",
-            launch("resume", 2, work, daemon, "--checkpoint.enable", "--override.imports",
-                   resumed),
-            work,
-        )
         results["folder"] = work / "dump" / "checkpoint"
         yield results
     finally:

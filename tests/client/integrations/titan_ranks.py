@@ -1,19 +1,20 @@
-"""One rank of a torchtitan-shaped training run on CPU; test_torchtitan.py starts one per rank.
+"""A torchtitan-shaped training run on CPU, its ranks forked; test_torchtitan.py starts it.
 
-    python titan_ranks.py SCENARIO --rank R --world-size N --work DIR --socket S [-- ARGS]
+    python titan_ranks.py --work DIR --socket SOCKET
 
 torchtitan 0.3's ``Trainer`` cannot run here (its model registry imports triton, and it picks
 a CUDA device), so each rank does what ``Trainer.__init__`` and ``Trainer.train`` do with the
-real torchtitan pieces: ``ConfigManager`` parses ``ARGS`` (torchtitan's command line,
-``--override.imports`` included) onto ``titan_config.tiny``, ``apply_overrides`` swaps the
-config nodes, ``config.checkpoint.build(...)`` gets the same arguments as in the trainer
+real torchtitan pieces: ``ConfigManager`` parses torchtitan's command line (with
+``--override.imports`` naming our override) onto ``titan_config.tiny``, ``apply_overrides``
+swaps the config nodes, ``config.checkpoint.build(...)`` gets the trainer's arguments
 (``OptimizersContainer`` and ``LRSchedulersContainer`` built from their configs, a
 ``ParallelAwareDataloader``, the train state), and the loop calls the checkpointer where
 ``train``/``train_step`` do: ``load`` before the first step, ``maybe_wait_for_staging`` between
 gradient clipping and ``optimizers.step()``, ``save(step, last_step=...)`` after each step,
 ``close`` at the end. The model is a small FSDP2-sharded decoder (uneven shards, a buffer).
 
-Scenarios write ``result-SCENARIO-R.json``; a failure exits non-zero with the traceback.
+Each rank writes ``result-SCENARIO-RANK.json``; a rank that fails prints its traceback and
+exits 1; ``exits.json`` has every rank's exit status.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -41,12 +43,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 
-STARTED = time.monotonic()
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # titan_config; tests/ for harness
+import titan_config  # noqa: E402, F401  (and through it torchtitan's checkpointer, optimizers)
 from harness import assert_same  # noqa: E402
-from shmstage_client.errors import DaemonUnavailable  # noqa: E402
-from shmstage_client.integrations.torchtitan import ShmStageCheckpointManager  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.override import apply_overrides  # noqa: E402
@@ -56,6 +56,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 TIMEOUT = 60.0
 RUN_LIMIT = 120.0
+OVERRIDE = "shmstage_client.integrations.torchtitan.shmstage_checkpoint"
 VOCAB = 67  # rows shard unevenly over 2 ranks (34 and 33)
 
 
@@ -206,16 +207,19 @@ def _local(value: Any) -> Any:
 
 
 class Rank:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.rank, self.world_size = args.rank, args.world_size
-        self.work = Path(args.work)
-        self.result: dict[str, Any] = {"rank": self.rank, "imported": time.monotonic() - STARTED}
+    """One rank of one scenario, in a process of its own (forked by ``main``)."""
+
+    def __init__(
+        self, scenario: str, rank: int, world_size: int, work: Path, socket: str
+    ) -> None:
+        self.scenario, self.rank, self.world_size = scenario, rank, world_size
+        self.work, self.socket = work, socket
+        self.result: dict[str, Any] = {"rank": rank}
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{self.work / f'store-{args.scenario}'}",
-            rank=self.rank,
-            world_size=self.world_size,
+            init_method=f"file://{work / f'store-{scenario}'}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=TIMEOUT),
         )
 
@@ -229,12 +233,16 @@ class Rank:
             apply_overrides(config.override, config)
         return config
 
+    def override(self, **settings: Any) -> list[str]:
+        """The command-line arguments that select shmstage, with ``settings``."""
+        settings = {"socket": self.socket, **settings}
+        return ["--override.imports", f"{OVERRIDE}={json.dumps(settings)}"]
+
     def expected_path(self, name: str) -> Path:
         return self.work / f"expected-{name}-rank{self.rank}.pt"
 
     def write(self) -> None:
-        self.result["seconds"] = time.monotonic() - STARTED
-        path = self.work / f"result-{self.args.scenario}-{self.rank}.json"
+        path = self.work / f"result-{self.scenario}-{self.rank}.json"
         path.write_text(json.dumps(self.result))
 
     def finish(self) -> None:
@@ -247,7 +255,7 @@ def first(r: Rank) -> None:
     """Train with checkpoints every 2 steps, copy behind the next step (the override's
     default mode); after step 8's training, before its save, wait for step 6 to be durable
     (as the next save would) and die by SIGKILL, leaving the daemon holding step 6."""
-    config = r.config(*r.args.titan)
+    config = r.config("--checkpoint.enable", *r.override())
     run = Run(r.rank, r.world_size, config)
     r.result["manager"] = type(run.checkpointer).__qualname__
     r.result["async_mode"] = str(run.checkpointer.async_mode.value)
@@ -273,7 +281,7 @@ def resume(r: Rank) -> None:
     """A new run of the same command finds step 6 (the newest published checkpoint), loads
     it from the daemon's memory bit-exactly, and trains on to the end: a save at step 8
     (keep_latest_k=2 while it is in flight), the last step's model-only export at 10."""
-    config = r.config(*r.args.titan)
+    config = r.config("--checkpoint.enable", *r.override(async_mode="async"))
     run = Run(r.rank, r.world_size, config)
     r.result["async_mode"] = str(run.checkpointer.async_mode.value)
     run.load()
@@ -295,13 +303,16 @@ def modes(r: Rank) -> None:
     """One rank, the manager's own Config in a config function (no override): synchronous
     saves through shmstage, the model-only export, a load from files; then a manager whose
     daemon does not answer, refused before training."""
+    from shmstage_client.errors import DaemonUnavailable
+    from shmstage_client.integrations.torchtitan import ShmStageCheckpointManager
+
     config = r.config(dump="dump-modes")
     ckpt = ShmStageCheckpointManager.Config(
         enable=True,
         async_mode="disabled",
         interval=1,
         keep_latest_k=0,
-        socket=r.args.socket,
+        socket=r.socket,
         restore_source="files",
     )
     config.training.steps = 3
@@ -337,20 +348,47 @@ def modes(r: Rank) -> None:
 SCENARIOS = {"first": first, "resume": resume, "modes": modes}
 
 
+def fork_rank(scenario: str, rank: int, world_size: int, args: argparse.Namespace) -> int:
+    """A process for one rank: forked from this one, which imported torch, torchtitan and
+    tyro but used none of them (no tensor, no process group, no daemon connection), so each
+    rank starts as a fresh trainer would, without paying the imports again."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        faulthandler.dump_traceback_later(RUN_LIMIT, exit=True)  # a hang shows where, and ends
+        SCENARIOS[scenario](Rank(scenario, rank, world_size, Path(args.work), args.socket))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def wait(children: dict[str, int]) -> dict[str, int]:
+    """Each child's exit status: its code, or minus the signal that ended it."""
+    return {
+        name: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for name, pid in children.items()
+    }
+
+
 def main() -> None:
+    """The killed run ("first", 2 ranks) beside "modes" (1 rank), then "resume" (2 ranks);
+    each rank's exit status goes to ``exits.json`` (the first run's ranks die by SIGKILL)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=SCENARIOS)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--socket", required=True)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
-    args.titan = argv[split + 1 :]  # torchtitan's own command line
+    args = parser.parse_args()
     os.chdir(args.work)
-    faulthandler.dump_traceback_later(RUN_LIMIT, exit=True)  # a hang shows where, and ends
-    SCENARIOS[args.scenario](Rank(args))
+    exits = wait(
+        {f"first-{rank}": fork_rank("first", rank, 2, args) for rank in range(2)}
+        | {"modes-0": fork_rank("modes", 0, 1, args)}
+    )
+    exits |= wait({f"resume-{rank}": fork_rank("resume", rank, 2, args) for rank in range(2)})
+    (Path(args.work) / "exits.json").write_text(json.dumps(exits))
 
 
 if __name__ == "__main__":
