@@ -46,6 +46,7 @@ def tiny_model() -> LlamaForCausalLM:
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=32,
+        attention_dropout=0.1,  # training draws on the RNG: a resume must restore it
     )
     return LlamaForCausalLM(config)
 
