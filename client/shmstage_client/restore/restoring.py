@@ -136,13 +136,16 @@ def restore(
             host_staging.prepare(device, sum(files.manifest.files.values()))
             prepared = adoption.take(socket)
             if prepared is not None and source != "files" and _prepared_holds(prepared, files):
-                state, nbytes, phases = _from_prepared(prepared, device, files.path)
-                restored = Restored(
-                    files.state(state), "memory", files.path, 0.0, nbytes, prepared.verified,
-                    True, files.manifest.metadata, prepared.info["job"], phases=phases,
-                )
-                return _handed_over(prepared, started, restored)
-            if prepared is not None:
+                read = _read_prepared(prepared, device, files.path)
+                if read is not None:
+                    tensors, nbytes, phases = read
+                    restored = Restored(
+                        files.state(tensors), "memory", files.path, 0.0, nbytes,
+                        prepared.verified, True, files.manifest.metadata, prepared.info["job"],
+                        phases=phases,
+                    )
+                    return _handed_over(prepared, started, restored)
+            elif prepared is not None:
                 prepared.drop()  # not this checkpoint: the daemon retains its layout again
             if source != "files":
                 try:
@@ -470,6 +473,22 @@ def _from_prepared(
     return tensors, sum(info["sizes"]), phases
 
 
+def _read_prepared(
+    prepared: adoption.PreparedRestore, device: torch.device, directory: Path
+) -> tuple[dict[str, torch.Tensor], int, dict[str, float]] | None:
+    """``_from_prepared``, or None (the prepare given back) where it cannot be read: the
+    daemon is asked as usual then. Anything else is raised, the prepare given back too."""
+    try:
+        return _from_prepared(prepared, device, directory)
+    except FALLBACK as exc:
+        log.debug("the prepared restore could not be read (%s); asking the daemon", exc)
+        prepared.drop()
+        return None
+    except BaseException:
+        prepared.drop()
+        raise
+
+
 def _prepared_holds(prepared: adoption.PreparedRestore, files: CheckpointFiles) -> bool:
     """Whether the prepared checkpoint is the one ``files`` opened (its manifest, durable)."""
     info = prepared.info
@@ -495,13 +514,17 @@ def _latest_prepared(
     ):
         prepared.drop()
         return None
-    try:
-        tensors, nbytes, phases = _from_prepared(prepared, device, directory)
-        state = unflatten(info.get("tree"), tensors, directory)
-    except FALLBACK as exc:
-        log.debug("the prepared restore could not be read (%s); asking the daemon", exc)
-        prepared.drop()
+    read = _read_prepared(prepared, device, directory)
+    if read is None:
         return None
+    tensors, nbytes, phases = read
+    try:
+        state = unflatten(info.get("tree"), tensors, directory)
+    except BaseException as exc:
+        prepared.drop()
+        if isinstance(exc, FALLBACK):
+            return None
+        raise
     restored = Restored(
         state, "memory", directory, 0.0, nbytes, prepared.verified, info["durable"],
         info.get("metadata") or {}, info["job"], reason=_changed_on_disk(info), phases=phases,
