@@ -225,3 +225,18 @@ def test_on_a_gpu_the_adopted_slot_is_pinned_ahead_and_the_first_save_registers_
         stager.save(restored.state, ckpt / "c3").wait(60)
         assert stager.pinned and calls == []
     assert_same({k: v.cuda() for k, v in load(ckpt / "c3").items()}, gpu)
+
+
+def test_a_corrupted_byte_in_the_adopted_slot_is_caught_ahead_and_latest_reads_the_files(
+    daemon, ckpt: Path
+) -> None:
+    killed_trainer(daemon, ckpt, 1)
+    for name in daemon.segments():  # a flipped bit in every segment, as the daemon's uid
+        with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as segment:
+            first = segment.read(1)
+            segment.seek(0)
+            segment.write(bytes([first[0] ^ 0x10]))
+    prepare_restore("cpu", socket=daemon.socket)
+    restored = latest(socket=daemon.socket)
+    assert restored.source == "files" and "checksum mismatch" in restored.reason
+    assert_same(restored.state, state(1))
