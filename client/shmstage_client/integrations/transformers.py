@@ -42,6 +42,12 @@ config=...)`` — which warn about the extra ``hf_trainer.*`` keys — and the o
 and RNG's under ``hf_trainer.``) and ``shmstage-manifest.json``. A stock Trainer cannot
 resume from it: it finds no ``trainer_state.json`` and stops (it never half-resumes).
 
+Not covered (each raises, or is left to the Trainer, as said): more than one process (DDP:
+each rank's RNG would need a checkpoint of its own), DeepSpeed and FSDP (their engines
+write sharded files; the callback raises), ``push_to_hub`` of each checkpoint, and what a
+Trainer subclass adds in its own ``_save_checkpoint`` (TRL's model card per checkpoint:
+the mixin replaces the method whole). A PEFT model is saved whole (base and adapters).
+
 This module imports transformers only where it needs it: ``ShmStageCallback`` is built on
 first access.
 """
