@@ -351,9 +351,9 @@ class ShmStageTrainerMixin:
         optimizer, scheduler, scaler and RNG come from the restored checkpoint through the
         loaders below."""
         session = self._shm
+        self._shmstage_check_supported()  # before training, not at the first save
         with contextlib.ExitStack() as stack:
             if resume_from_checkpoint not in (None, False):
-                self._shmstage_check_supported()
                 found = self._shmstage_resolve(resume_from_checkpoint)
                 if isinstance(found, Restored):
                     where = stack.enter_context(tempfile.TemporaryDirectory(prefix="shmstage-hf-"))
