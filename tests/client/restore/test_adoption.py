@@ -112,6 +112,7 @@ def test_a_layout_a_reader_leases_is_not_adopted_and_latest_leases_as_usual(
     daemon, ckpt: Path
 ) -> None:
     killed_trainer(daemon, ckpt, 1)
+    segments = sorted(daemon.segments())
     reader = RawClient(daemon.socket)
     try:
         reader.request("latest", {"max_fds": 64})
@@ -129,6 +130,7 @@ def test_a_layout_a_reader_leases_is_not_adopted_and_latest_leases_as_usual(
         assert_same(restored.state, state(1))
         assert "segments adopted" not in daemon.log()
         assert status(daemon)["retained_layouts"] == 1  # still retained, nobody's
+        assert sorted(daemon.segments()) == segments  # adopt_only: nothing made instead
     finally:
         reader.close()
 
