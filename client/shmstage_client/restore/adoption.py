@@ -180,7 +180,7 @@ class PreparedRestore:
         begun = time.perf_counter()
         self.held_pieces = self._pin(adopted, adopted.held)
         self.seconds["pin"] = time.perf_counter() - begun
-        checking.join()
+        checking.join()  # no bound: it only reads memory, and the slot must outlive it
         if checked:
             raise checked[0]
         self.verified = self.info.get("checksums") is not None
