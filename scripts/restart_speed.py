@@ -164,6 +164,14 @@ def start_daemon(where: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("shmstaged did not start:\n" + (where / "shmstaged.log").read_text())
 
 
+def _keep_newest(root: Path) -> None:
+    """Remove every checkpoint under ``root`` but the newest (what the next restart
+    restores from memory; its files are only the fallback)."""
+    found = sorted(root.iterdir(), key=lambda path: path.stat().st_mtime)
+    for old in found[:-1]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def ratio(value: float | None, limit: float | None) -> str:
     return f"{value / limit:.2f}x" if value and limit else "-"
 
@@ -224,6 +232,7 @@ def run(args: argparse.Namespace) -> None:
             if proc.poll() is None:
                 proc.kill()
         runs[prepared].append(out)
+        _keep_newest(Path(args.root))  # 8 GiB a save: the disk holds a few at most
         print(f"restart {index + 1} ({'prepared' if prepared else 'plain'}): latest "
               f"{out['latest']:.3f} s, first save {out['first_save']:.3f} s, whole "
               f"{out['whole_from_exec']:.2f} s, {out['source']}, exact {out['exact']}; "
