@@ -74,6 +74,7 @@ def fit(
     top_k: int = 2,
     plugin: bool = True,
     block: bool = True,
+    slots: int = 3,
 ) -> None:
     """Train for ``steps`` steps, checkpointing every ``every``; write the losses (and how
     a resume restored) to ``workdir/result-<pid>.json``."""
@@ -81,7 +82,7 @@ def fit(
     torch.set_num_threads(1)
     os.environ["SHMSTAGE_SOCKET"] = socket
     model = Model()
-    io = ShmStageCheckpointIO(socket, slots=3, block=block) if plugin else None
+    io = ShmStageCheckpointIO(socket, slots=slots, block=block) if plugin else None
     callbacks: list[Callback] = [
         ModelCheckpoint(
             dirpath=Path(workdir) / "ckpt", every_n_train_steps=every, save_top_k=top_k,

@@ -105,11 +105,12 @@ def test_the_resume_after_a_sigkill_reads_the_checkpoint_from_the_daemons_memory
 def test_modelcheckpoint_keeps_top_k_and_last_complete_when_every_write_is_slow(
     forks: Any, tmp_path: Path
 ) -> None:
-    """A slow disk (the daemon's ``pause-write`` fault hook: every data write waits 0.15 s,
-    a shim for a disk slower than the save rate) makes each removal ModelCheckpoint asks
-    for come while the checkpoint it removes is still being written. No removal may tear
-    one, or miss one that appears later; every ``.ckpt`` seen at any moment is complete."""
-    daemon = start_daemon(tmp_path / "d", env={"SHMSTAGE_FAULT": "pause-write:0.15"})
+    """A slow write (the daemon's ``pause-before-manifest`` fault hook holds every
+    checkpoint 0.4 s before its manifest: a shim for a disk slower than the save rate) and
+    slots enough for every save to go ahead make each removal ModelCheckpoint asks for
+    come while the checkpoint it removes is still being written. No removal may tear one,
+    or miss one that appears later; every ``.ckpt`` seen at any moment is complete."""
+    daemon = start_daemon(tmp_path / "d", env={"SHMSTAGE_FAULT": "pause-before-manifest:0.4"})
     ckpt = tmp_path / "ckpt"
     seen_incomplete: list[str] = []
     stop = threading.Event()
@@ -126,7 +127,7 @@ def test_modelcheckpoint_keeps_top_k_and_last_complete_when_every_write_is_slow(
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        code, _ = run(forks, tmp_path, str(daemon.socket), 6, every=1, top_k=2)
+        code, _ = run(forks, tmp_path, str(daemon.socket), 4, every=1, top_k=1, slots=8)
     finally:
         stop.set()
         watcher.join()
@@ -134,7 +135,7 @@ def test_modelcheckpoint_keeps_top_k_and_last_complete_when_every_write_is_slow(
     assert code == 0
     assert seen_incomplete == []
     names = sorted(name for name in os.listdir(ckpt) if name.endswith(".ckpt"))
-    assert names == ["epoch=0-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert names == ["epoch=0-step=4.ckpt", "last.ckpt"]
     assert all((ckpt / name / MANIFEST_NAME).exists() for name in names)
     hidden = [name for name in os.listdir(ckpt) if "shmstage-re" in name]
     assert hidden == []  # every replacement installed, every removal finished
