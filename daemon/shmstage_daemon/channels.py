@@ -208,6 +208,8 @@ class Channels:
         channel.last_step = step
         channel.shared = frozenset(share)
         told = [s for s in channel.subscribers.values() if self.may_read(s.peer, channel)]
+        for other in [c for c in self.channels.values() if c.uid == uid and c is not channel]:
+            self._prune(other)  # a publisher naming a new channel each time hoards nothing
         return version, told
 
     def _open(self, uid: int, name: str) -> Channel:

@@ -86,6 +86,10 @@ class Publishing:
             if "tree" not in body:
                 raise RequestError(ErrorCode.BAD_REQUEST, "publish of a filled slot lacks tree")
             tree, metadata = body["tree"], body.get("metadata", {})
+            requests.check_tree(tree, staged.layout)  # what its readers will rebuild
+            if len(metadata) > requests.MAX_METADATA_ENTRIES:
+                raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata has too many entries")
+            requests.check_json(metadata, "publish.metadata")
         version, told = self._channels.publish(
             session.peer.uid,
             body["name"],
@@ -165,7 +169,14 @@ class Publishing:
             }
             if not self._sent:
                 body["tensors"] = staged.layout.to_wire()
-            await session.send("pinned", frame.id, body)
+            try:
+                await session.send("pinned", frame.id, body)
+            except ValueError as exc:  # the structure does not fit one frame: nothing sent
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"version {version.step}'s structure is too large to send ({exc}); "
+                    "publish fewer, larger tensors",
+                ) from None
             if send:
                 await session.send_segments(
                     frame.id, "ring_fds", {"pin": pin.id}, slot.segments, batch, writable=False

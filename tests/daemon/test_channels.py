@@ -220,3 +220,10 @@ def test_a_channel_with_nothing_alive_and_nobody_following_is_forgotten() -> Non
     world.store.mark_released(world.staged)
     world.channels.end_session(PUBLISHER + 10)
     assert world.channels.channels == {}
+
+
+def test_channels_a_publisher_left_behind_are_forgotten_at_its_next_publish() -> None:
+    world = World(slots=1)
+    for step, name in enumerate(("a", "b", "c")):
+        world.publish(step, name=name)  # each refills the one slot: the last channel lives
+    assert list(world.channels.channels) == [(UID, "c")]

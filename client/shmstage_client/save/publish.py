@@ -26,18 +26,28 @@ from shmstage_client.save.handle import Clock, SaveTimings
 from shmstage_client.statedict import Flattened, check_fits
 
 if TYPE_CHECKING:
+    from shmstage_client.save.handover import Landing
     from shmstage_client.save.stager import Stager
 
 
 @dataclasses.dataclass(frozen=True)
 class Published:
     """A version made visible: its channel, its step, how many subscribers were told at
-    once, and what the call cost the caller (``timings.stall_seconds``)."""
+    once (None until a non-blocking publish's copy has landed), and what the call cost the
+    caller (``timings.stall_seconds``)."""
 
     name: str
     step: int
-    subscribers: int
+    subscribers: int | None
     timings: SaveTimings
+    #: A non-blocking publish's copy, until it landed and the version became visible.
+    landing: Landing | None = None
+
+    def visible(self, timeout: float | None = None) -> None:
+        """Until the version is visible (at once for a blocking publish); raises the error
+        that kept it from becoming visible, or SaveTimeout."""
+        if self.landing is not None:
+            self.landing.wait(timeout)
 
 
 def share_gids(share: Iterable[int | str]) -> list[int]:
@@ -67,6 +77,7 @@ def publish(
     step: int,
     metadata: Mapping[str, Any] | None,
     share: Iterable[int | str],
+    block: bool = True,
 ) -> Published:
     """``Stager.publish``'s work (see there)."""
     check_step(step)
@@ -80,7 +91,7 @@ def publish(
         check_fits(flat.encoded, flat.packed_tree, fields.packed_metadata)
         clock.lap("prepare")
         staged = stager._claim(flat, clock)
-        stager._copy(staged, flat, None, True)
+        deferred = stager._copy(staged, flat, None, block)
         clock.lap("copy")
         body = {
             "layout": staged.layout_id,
@@ -90,14 +101,31 @@ def publish(
             "share": gids,
         }
         prepacked = {"tree": flat.packed_tree, "metadata": fields.packed_metadata}
-        try:
-            reply = _call(staged.connection, body, prepacked, stager.request_timeout)
-        except BaseException:
-            staged.cancel()  # refused or lost: the slot goes back, nothing is visible
-            raise
+
+        def make_visible() -> int:
+            try:
+                reply = _call(staged.connection, body, prepacked, stager.request_timeout)
+            except BaseException:
+                staged.cancel()  # refused or lost: the slot goes back, nothing is visible
+                raise
+            return int(reply["subscribers"])
+
+        if deferred is not None:  # the version becomes visible once the copy has landed
+
+            def hand_over(landing: Landing, error: BaseException | None) -> None:
+                if error is not None:
+                    staged.cancel()
+                    raise error
+                make_visible()
+                stager._layouts.add_slots_soon(stager.request_timeout)
+
+            what = f"version {step} of channel {name!r}"
+            landing = stager._start_landing(deferred, what, hand_over)
+            return Published(name, step, None, clock.timings(), landing)
+        subscribers = make_visible()
         clock.lap("commit")
     stager._layouts.add_slots_soon(stager.request_timeout)
-    return Published(name, step, reply["subscribers"], clock.timings())
+    return Published(name, step, subscribers, clock.timings())
 
 
 def publish_saved(

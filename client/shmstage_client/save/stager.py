@@ -58,6 +58,7 @@ from shmstage_client.save.handover import FollowUp, Handover, Landing
 from shmstage_client.save.layouts import Layouts
 from shmstage_client.save.slots import CopyEngine
 from shmstage_client.save.publish import Published, check_step, publish_saved
+from shmstage_client.save.slots import CopyEngine
 from shmstage_client.save.publish import publish as _publish
 from shmstage_client.save.staged import Destination, Staged
 from shmstage_client.statedict import Flattened, check_fits
@@ -217,10 +218,10 @@ class Stager:
         *,
         metadata: Mapping[str, Any] | None = None,
         offsets: Mapping[str, Sequence[int]] | None = None,
+        publish: str | None = None,
         block: bool = True,
     ) -> SaveHandle:
         """Stage ``state_dict`` and commit it to be written to the new directory ``path``.
-        publish: str | None = None,
 
         Returns once every tensor is copied: the caller may then change its tensors. The
         daemon then writes the checkpoint; ``SaveHandle.wait()`` reports the outcome, and
@@ -307,10 +308,15 @@ class Stager:
         members may subscribe too (allowed by shmstaged's ``[server] publish_groups``).
         The slots are the channel's ring; when every free one is pinned by readers, this
         waits for a pin to end (pins are bounded in time), or with ``wait_for_slot=False``
-        raises SlotUnavailable. ``block=False`` is not supported yet (it raises)."""
-        if not block:
-            raise ValueError("publish(..., block=False) is not supported yet; use block=True")
-        return _publish(self, state_dict, name, step=step, metadata=metadata, share=share)
+        raises SlotUnavailable. A Stager holds one layout: publishing (or saving) another
+        structure releases the previous one, and the versions in it.
+
+        ``block=False`` as in ``save()``: returns once the copy of the tensors a guard
+        covers has started; the version becomes visible when it has landed (the handover
+        thread publishes it), and ``Published.visible()`` waits for that."""
+        return _publish(
+            self, state_dict, name, step=step, metadata=metadata, share=share, block=block
+        )
 
         state_dict: Any,
         *,

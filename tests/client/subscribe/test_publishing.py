@@ -208,3 +208,21 @@ def test_tensors_stream_in_buckets_of_their_own_and_a_new_structure_starts_a_new
         with subscriber.wait(newer_than=3, timeout=10) as version:
             state = version.state()
         assert torch.equal(state["head"], other["head"]) and state["step"] == 4
+
+
+def test_a_non_blocking_publish_becomes_visible_once_its_guarded_copy_landed(
+    socket: str, name: str
+) -> None:
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Stager(socket) as stager, subscribe(name, socket=socket) as subscriber:
+        stager.guard(optimizer)
+        expected = {key: value.clone() for key, value in model.state_dict().items()}
+        published = stager.publish(model.state_dict(), name, step=1, block=False)
+        model(torch.randn(8, 64)).sum().backward()
+        optimizer.step()  # waits for the copy: the version is the state before this step
+        published.visible(30)
+        assert published.landing is not None and published.subscribers is None
+        with subscriber.wait(timeout=10) as version:
+            state = version.state()
+        assert all(torch.equal(state[key], expected[key]) for key in expected)
