@@ -16,13 +16,13 @@ What changes against torchtitan's own manager, per ``async_mode`` (ours defaults
 ``async_with_pinned_mem``, the mode torchtitan names for "copy behind the next step"):
 
 ``async_with_pinned_mem``
-    ``save()`` returns after the copy of everything but the optimizers' parameters and state
-    (buffers, the dataloader, the scheduler — a few milliseconds); that copy runs behind the
-    next forward and backward, and each optimizer's ``step()`` waits for it: the guard's step
-    pre-hooks (``shmstage_client.save.guard``), so on CUDA the wait is on the device, and
-    ``maybe_wait_for_staging`` — torchtitan's call right before the optimizer step — has
-    nothing to block on. torchtitan's own mode copies in a separate process (pickling the
-    state); ours needs no process and no second copy of the host memory.
+    ``save()`` returns once everything but the optimizers' parameters and state is copied
+    (buffers, the dataloader's and the scheduler's state: usually milliseconds); their copy
+    runs behind the next forward and backward, and each optimizer's ``step()`` waits for it
+    (the guard's step pre-hooks, ``shmstage_client.save.guard``: on CUDA a wait on the
+    device), so ``maybe_wait_for_staging`` — torchtitan's call right before the optimizer
+    step — has nothing to block on. torchtitan's own mode stages into pinned shared memory
+    of its own on a thread and writes from a separate process; here both are the daemon's.
 ``async``
     ``save()`` returns once everything is copied into the daemon's shared memory.
 ``disabled``
@@ -51,8 +51,15 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal
+
+__all__ = [  # ShmStageCheckpointManager is built on first access (module __getattr__)
+    "INSTALL_HINT",
+    "OVERRIDE_TARGET",
+    "ShmStageCheckpointManager",  # noqa: F822
+    "shmstage_checkpoint",
+]
 
 log = logging.getLogger("shmstage.torchtitan")
 
@@ -112,6 +119,10 @@ def __getattr__(name: str) -> Any:
     if name == "ShmStageCheckpointManager":
         return _manager_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def _register_override() -> None:
@@ -422,7 +433,7 @@ def _build_manager_class() -> type:
                     writer.close()
                 super()._close()
 
-    def _report_failure(checkpoint_id: str) -> Any:
+    def _report_failure(checkpoint_id: str) -> Callable[[concurrent.futures.Future[Any]], None]:
         """Log a failed asynchronous save when it fails; torchtitan raises it at the next
         save (``_wait_for_saving``) or at close."""
 
@@ -497,7 +508,9 @@ def _reason(error: BaseException) -> str:
     """DCP's CheckpointException holds each rank's failure; the first one says why."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank, first = next(iter(sorted(failures.items())))
+        rank, first = min(failures.items(), key=lambda item: item[0])
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            first = first[0]  # DCP keeps (exception, stack summary)
         return f"rank {rank}: {type(first).__name__}: {first}" + (
             f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""
         )

@@ -123,6 +123,17 @@ def test_an_unreachable_daemon_is_refused_before_training_naming_the_setting(run
     assert "--checkpoint.socket" in result["unreachable"]
 
 
+def test_a_save_whose_daemon_is_gone_fails_at_the_wait_naming_it_and_publishes_nothing(
+    runs,
+) -> None:
+    """The daemon was killed after the manager was built: save() returned (training goes
+    on), the wait for that save raised SaveError naming the checkpoint."""
+    (result,) = runs["modes"]
+    assert "step-1 failed and was not published" in result["lost"]
+    assert "DaemonUnavailable" in result["lost"]
+    assert not [name for name in result["lost_folder"] if name.startswith("step-")]
+
+
 def test_importing_the_module_needs_no_torchtitan_and_using_it_names_the_extra() -> None:
     """torchtitan made unimportable in a fresh interpreter (sys.modules entry None, the
     interpreter's own way of saying a module is absent): the import works, the class

@@ -46,7 +46,7 @@ from torch.utils.data import IterableDataset
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # titan_config; tests/ for harness
 import titan_config  # noqa: E402, F401  (and through it torchtitan's checkpointer, optimizers)
-from harness import assert_same  # noqa: E402
+from harness import assert_same, start_daemon  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.override import apply_overrides  # noqa: E402
@@ -301,9 +301,9 @@ def resume(r: Rank) -> None:
 
 def modes(r: Rank) -> None:
     """One rank, the manager's own Config in a config function (no override): synchronous
-    saves through shmstage, the model-only export, a load from files; then a manager whose
-    daemon does not answer, refused before training."""
-    from shmstage_client.errors import DaemonUnavailable
+    saves through shmstage, the model-only export, a load from files; a manager whose
+    daemon does not answer, refused before training; one whose daemon dies before a save."""
+    from shmstage_client.errors import DaemonUnavailable, SaveError
     from shmstage_client.integrations.torchtitan import ShmStageCheckpointManager
 
     config = r.config(dump="dump-modes")
@@ -342,6 +342,24 @@ def modes(r: Rank) -> None:
         Run(r.rank, r.world_size, config, checkpoint=nowhere)
     except DaemonUnavailable as exc:
         r.result["unreachable"] = str(exc)
+
+    # A daemon lost after the manager was built: the asynchronous save fails without
+    # stopping the step, and the wait for it (the next save's, or close) raises SaveError.
+    lost = start_daemon(r.work / "lost-node")
+    elsewhere = dataclasses.replace(config, dump_folder=str(r.work / "dump-lost"))
+    run = Run(r.rank, r.world_size, elsewhere, checkpoint=dataclasses.replace(
+        ckpt, socket=str(lost.socket), async_mode="async"
+    ))
+    lost.proc.kill()
+    lost.proc.wait(10)
+    run.save(run.step())
+    try:
+        run.checkpointer.maybe_wait_for_saving()
+    except SaveError as exc:
+        r.result["lost"] = str(exc)
+    run.checkpointer.close()
+    folder = r.work / "dump-lost" / "checkpoint"
+    r.result["lost_folder"] = sorted(os.listdir(folder)) if folder.exists() else []
     r.finish()
 
 
