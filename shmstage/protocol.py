@@ -182,10 +182,6 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "unlease": {"lease": _INT},
     # One-way, never answered: how a restore went, for the metrics.
     "restored": {"source": _STR, "seconds": _NUM, "bytes": _INT},
-}
-_DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
-    # ``default_slots``: the slots a registration without ``slots`` gets.
-    "welcome": {
     # Publishing (``channels``): the filled ``slot`` becomes version ``step`` of the
     # caller's channel ``name``, visible to subscribers at once; with ``job`` it is the
     # slot of that committed save (its tree and metadata are the commit's). ``share``:
@@ -208,6 +204,10 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # "ring_fds" frames.
     "pin": {"channel": _INT, "newer_than": _INT + _NONE, "seconds": _NUM, "max_fds": _INT},
     "unpin": {"pin": _INT},
+}
+_DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
+    # ``default_slots``: the slots a registration without ``slots`` gets.
+    "welcome": {
         "version": _INT,
         "daemon": _STR,
         "instance": _STR,
@@ -258,10 +258,6 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``held``: the lease was still in force until now, so nothing refilled the slot
     # while the client read it (false: it had expired, and what was read may be torn).
     "unleased": {"lease": _INT, "held": _BOOL},
-}
-#: The parts of a save's stall a "report" may carry besides ``stall_seconds``.
-REPORT_PARTS: Final = (
-    "prepare_seconds",
     "published": {"name": _STR, "step": _INT, "subscribers": _INT},
     # ``newest``: the step of the channel's newest version, if it has one now.
     "subscribed": {"channel": _INT, "newest": _INT + _NONE},
@@ -288,6 +284,10 @@ REPORT_PARTS: Final = (
     "ring_fds": {"pin": _INT, "first": _INT},
     # ``held``: the pin was in force until now (false: it had expired).
     "unpinned": {"pin": _INT, "held": _BOOL},
+}
+#: The parts of a save's stall a "report" may carry besides ``stall_seconds``.
+REPORT_PARTS: Final = (
+    "prepare_seconds",
     "setup_seconds",
     "slot_wait_seconds",
     "copy_seconds",
@@ -318,14 +318,14 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "registered": frozenset({"adopted"}),
     "acquired": frozenset({"leased"}),
     "leased": frozenset({"tensors", "tree", "metadata", "checksums"}),
-}
-_HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
-
-
     "publish": frozenset({"job", "tree", "metadata", "share"}),
     "subscribe": frozenset({"owner"}),
     "pin": frozenset({"newer_than", "seconds", "max_fds"}),
     "pinned": frozenset({"tensors"}),
+}
+_HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One decoded message. ``fds`` are owned by whoever takes the frame: close them."""
@@ -650,6 +650,7 @@ def _first_op(head: bytes) -> str | None:
     except Exception:  # truncated or not a map: not a frame we would decode
         return None
     return op if isinstance(op, str) else None
+
 
 
 class _OverBudget(Exception):

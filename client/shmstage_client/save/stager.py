@@ -56,10 +56,9 @@ from shmstage_client.save.guard import Coverage, Guard
 from shmstage_client.save.handle import Clock, ProgressCallback, SaveHandle, SaveTimings, Tracker
 from shmstage_client.save.handover import FollowUp, Handover, Landing
 from shmstage_client.save.layouts import Layouts
-from shmstage_client.save.slots import CopyEngine
 from shmstage_client.save.publish import Published, check_step, publish_saved
-from shmstage_client.save.slots import CopyEngine
 from shmstage_client.save.publish import publish as _publish
+from shmstage_client.save.slots import CopyEngine
 from shmstage_client.save.staged import Destination, Staged
 from shmstage_client.statedict import Flattened, check_fits
 
@@ -218,8 +217,8 @@ class Stager:
         *,
         metadata: Mapping[str, Any] | None = None,
         offsets: Mapping[str, Sequence[int]] | None = None,
-        publish: str | None = None,
         block: bool = True,
+        publish: str | None = None,
     ) -> SaveHandle:
         """Stage ``state_dict`` and commit it to be written to the new directory ``path``.
 
@@ -244,16 +243,16 @@ class Stager:
         is checked and opened before the copy, so a refused destination costs no copy, and
         the commit travels while the copy runs: the daemon checks and journals it
         meanwhile, and starts nothing until the client reports the copy complete.
-        """
-        clock = Clock()
 
         ``publish``: also make the staged copy the newest version of this channel (see
         ``publish``), at step ``metadata["step"]``, once the daemon owns it — the same
         bytes, no second copy. Only with ``block=True``.
-        with collection_paused():
+        """
         if publish is not None and not block:
             raise ValueError("save(..., publish=) needs block=True; publish() after it")
         step = None if publish is None else check_step((metadata or {}).get("step"))
+        clock = Clock()
+        with collection_paused():
             self._await_landing(clock)
             flat = Flattened.of(state_dict, offsets, structures=self._layouts.structures)
             flat.check(self._layouts.signature)
@@ -278,18 +277,16 @@ class Stager:
             if deferred is not None:
                 return self._defer(staged, destination, early, deferred, clock)
             handle = staged.complete(destination, early)
-            clock.lap("commit")
-        self._staged(handle, clock.timings(), destination)
             if publish is not None and step is not None and handle.job is not None:
                 publish_saved(
                     self._connection, staged.layout_id, staged.slot, handle.job, publish, step,
                     (), self.request_timeout,
                 )  # fmt: skip
+            clock.lap("commit")
+        self._staged(handle, clock.timings(), destination)
         self._layouts.add_slots_soon(self.request_timeout)
         return handle
 
-    def reserve(
-        self,
     def publish(
         self,
         state_dict: Any,
@@ -318,6 +315,8 @@ class Stager:
             self, state_dict, name, step=step, metadata=metadata, share=share, block=block
         )
 
+    def reserve(
+        self,
         state_dict: Any,
         *,
         offsets: Mapping[str, Sequence[int]] | None = None,
