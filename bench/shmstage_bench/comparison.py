@@ -259,6 +259,7 @@ def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
                 "stall_vs_raw_copy": ratio(stall, copy_s),
                 "durable_vs_raw_write": ratio(durable, write_s),
                 "durable_vs_direct": ratio(durable, direct_s),
+                "restore_s": r.median_detail("restore_s"),  # peers that time one
                 "first_stall_s": r.first.stall_s if r.first else None,
                 "first_durable_s": r.first.durable_s if r.first else None,
                 "dirty_writeback_peak_bytes": r.max_detail("dirty_writeback_peak_bytes"),

@@ -278,13 +278,14 @@ def measure(
                 f"{method.name}: save {i + 1}/{repeats + 1} stall={timing.stall_s} "
                 f"durable={timing.durable_s}"
             )
+        if res.status == "ok" and plan.cut_short():
+            res.note = "; ".join(filter(None, [res.note, plan.cut_short()]))
+            log(f"{method.name}: {plan.cut_short()}")
     except Exception as e:
         res.status = "error"
         res.error = f"setup: {describe_exception(e)}"
         res.traceback = traceback.format_exc(limit=-8)
         log(f"{method.name}: {res.error}")
-        if res.status == "ok":
-            res.note = "; ".join(filter(None, [res.note, plan.cut_short()]))
     finally:
         try:
             if abandoned:

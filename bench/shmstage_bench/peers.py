@@ -323,8 +323,9 @@ DLROVER_SOCKETS = "/tmp/ckpt_sock/shmstage-bench-*"
 class DlroverFlash(Method):
     """DLRover Flash Checkpoint: the trainer copies into shared memory, a saver process persists.
 
-    Used as its docs do without ``dlrover-run``: a ``DdpCheckpointer`` starts the saver
-    process itself (one node, one rank). The stall is ``save_checkpoint`` (the copy into its
+    Used on one node, one rank, without ``dlrover-run``: the bench starts DLRover's own
+    saver process as that launcher's agent would (see ``_start_dlrover_saver``), then a
+    ``DdpCheckpointer``. The stall is ``save_checkpoint`` (the copy into its
     shared memory and the event to the saver); durable when the saver has written the step
     into its tracker file. Its saver ``torch.save``s the state without fsync (only the tracker
     is fsynced), so "durable" is the page cache for the data, as the row's note says.
@@ -336,12 +337,17 @@ class DlroverFlash(Method):
 
     def setup(self, state_dict: StateDict) -> None:
         def imports() -> Any:
+            from dlrover.python.common.multi_process import SharedQueue
             from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+            from dlrover.trainer.torch.flash_checkpoint.engine import start_async_save
 
-            return DdpCheckpointer, StorageType
+            return DdpCheckpointer, StorageType, SharedQueue, start_async_save
 
-        checkpointer_cls, self.storage_type = _peer_import("dlrover", imports)
+        checkpointer_cls, self.storage_type, queue_cls, start_saver = _peer_import(
+            "dlrover", imports
+        )
         os.environ["TORCHELASTIC_RUN_ID"] = DLROVER_RUN_ID.format(pid=os.getpid())
+        self.saver = _start_dlrover_saver(queue_cls, start_saver)
         self.root = self.ctx.root / "dlrover"
         self.ckpt = checkpointer_cls(str(self.root))
         self.tracker = self.root / "dlrover_latest.txt"
@@ -380,7 +386,52 @@ class DlroverFlash(Method):
         engine = getattr(getattr(self, "ckpt", None), "_engine", None)
         if engine is not None:
             engine.close()
+        saver = getattr(self, "saver", None)
+        if saver is not None:
+            saver.kill()
+            saver.join(timeout=10)
         shutil.rmtree(getattr(self, "root", self.ctx.root / "dlrover"), ignore_errors=True)
+
+
+#: How long DLRover's saver process may take to answer on its factory queue.
+DLROVER_SAVER_START_S = 120.0
+
+
+def _start_dlrover_saver(queue_cls: Any, start_async_save: Callable[[], None]) -> Any:
+    """Start DLRover's saver process as ``dlrover-run``'s agent does, before the trainer's
+    checkpointer, and wait until its factory queue answers.
+
+    Left to ``DdpCheckpointer``, the saver starts as the checkpointer's first request is
+    sent, and DLRover's ``SharedQueue`` serves requests before it has created its queue: a
+    request that comes in between gets an error its client ignores, and the checkpointer
+    then waits 60 s for a saver that was never asked for (1 setup in 2 on a loaded machine
+    here). With ``ROLE_NAME=dlrover-trainer`` the checkpointer leaves the saver to the agent.
+    """
+    import multiprocessing
+
+    os.environ["ROLE_NAME"] = "dlrover-trainer"
+    saver = multiprocessing.Process(target=start_async_save, name="dlrover-saver", daemon=True)
+    saver.start()
+    deadline = time.monotonic() + DLROVER_SAVER_START_S
+    factory = queue_cls(name="factory")
+
+    def answers() -> bool:
+        try:
+            return factory.is_available() and factory.qsize() >= 0
+        except Exception:  # its socket exists but does not listen yet
+            return False
+
+    while not answers():
+        if not saver.is_alive():
+            raise RuntimeError(f"DLRover's saver process exited ({saver.exitcode}) at its start")
+        if time.monotonic() > deadline:
+            saver.kill()
+            raise RuntimeError(
+                f"DLRover's saver process did not answer on its factory queue within "
+                f"{DLROVER_SAVER_START_S:.0f} s"
+            )
+        time.sleep(0.05)
+    return saver
 
 
 #: Where ML Flashpoint's checkpoints go: tmpfs, as its docs have it (its buffers are files

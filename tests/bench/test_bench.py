@@ -24,6 +24,7 @@ import torch
 from harness import RunningDaemon
 from shmstage_bench import budget as budget_module
 from shmstage_bench import direct_io, peers, report, restore
+from shmstage_bench import method as method_module
 from shmstage_bench import session as session_module
 from shmstage_bench.daemon import _JOURNAL_IN_LOG, _journal_in
 from shmstage_bench.direct_io import AlignedBuffer, read_direct, write_direct
@@ -319,6 +320,17 @@ def test_a_repeat_runs_only_while_the_last_save_still_fits_and_the_row_says_how_
         assert free.next_fits(1e9)
         free.done(1e6, first=first)
     assert not free.next_fits(0.0) and free.cut_short() == ""
+
+
+def test_a_method_cut_short_by_its_share_keeps_its_first_save_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """The plan's note reaches the row (a share already spent: only the first save runs)."""
+    method = peers.TorchSave(BenchContext(device=torch.device("cpu"), root=tmp_path))
+    plan = budget_module.RepeatPlan(wanted=2, deadline=time.monotonic() - 1, share_s=5.0)
+    res = method_module.measure(method, {"t": torch.zeros(4)}, 2, plan=plan)
+    assert res.status == "ok" and res.first is not None and res.samples == []
+    assert res.note.startswith("0 repeats of 2 (budget: its share was 5 s; a save took ")
 
 
 def test_a_peer_that_is_not_installed_is_a_row_naming_what_to_install(
