@@ -2,9 +2,11 @@
 
 Scenarios (``--scenario``):
 
-* ``peers`` (default): shmstage, ``torch.save``, DCP and nvidia-resiliency-ext against the
-  raw copy, the buffered write and the disk's direct-I/O limit, on one synthetic state dict;
-  page-cache use per save; a fixed trainer step idle and while shmstaged persists.
+* ``peers`` (default): shmstage, ``torch.save``, DCP, nvidia-resiliency-ext, DLRover Flash
+  Checkpoint and ML Flashpoint against the raw copy, the buffered write and the disk's
+  direct-I/O limit, on one synthetic state dict; page-cache use per save; a fixed trainer
+  step idle and while shmstaged persists. With ``--budget`` every method gets a share of
+  it (the slow peers fewer repeats, said in their rows) and the closing limit bracket runs.
 * ``overlapped``: each save issued while the previous one still persists (slots=2): the
   wall-clock stall per save, backpressure (slot waits) apart, against the raw copy.
 * ``training``: a small Llama-style decoder trained with AdamW between saves; per-save

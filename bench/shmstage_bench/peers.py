@@ -1,4 +1,5 @@
-"""The methods the peers scenario compares: PyTorch's and NVIDIA's checkpointing, and shmstage.
+"""The methods the peers scenario compares: PyTorch's, NVIDIA's, DLRover's and Google's
+(ML Flashpoint) checkpointing, and shmstage.
 
 The limits they are divided by live in ``limits``; the interface and how a method is
 measured in ``method``. Peers are driven through their public APIs only; none of their

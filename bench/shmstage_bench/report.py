@@ -51,7 +51,13 @@ def environment() -> dict[str, Any]:
     }
     if torch.cuda.is_available():  # the parent never creates a CUDA context for this
         env["gpu"] = torch.cuda.get_device_name()
-    for dist in ("nvidia-resiliency-ext", "shmstage-client", "safetensors"):
+    for dist in (
+        "nvidia-resiliency-ext",
+        "dlrover",
+        "ml-flashpoint",
+        "shmstage-client",
+        "safetensors",
+    ):
         try:
             from importlib.metadata import version
 
