@@ -5,17 +5,24 @@ step=step)``, named as the model's checkpoint names them, as vLLM's ``load_weigh
 takes them). vLLM's workers follow the channel and load each version straight out of
 the daemon's memory — no NCCL group, no CUDA IPC handle, no file::
 
-    # in the vLLM process, before the engine is built (once per process):
+    # in every vLLM process (the workers too): the plugin entry point does it, see below
     from shmstage_client.integrations import vllm as shmstage_vllm
     shmstage_vllm.register()
     llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="shmstage"))
-    # (vllm serve: --weight-transfer-config '{"backend": "shmstage"}' and a plugin that
-    # calls register())
+    # (vllm serve ... --weight-transfer-config '{"backend": "shmstage"}')
     llm.init_weight_transfer_engine({"init_info": {"channel": "policy"}})
     # each step, after the trainer's publish of step 7:
     llm.start_weight_update()
     llm.update_weights({"update_info": {"step": 7}})
     llm.finish_weight_update("7")
+
+vLLM builds the engine inside each worker process, which may be spawned: the backend
+must be registered there too. vLLM runs its ``vllm.general_plugins`` entry points in
+every process, and ``register`` is meant to be one (``[project.entry-points.
+"vllm.general_plugins"] shmstage = "shmstage_client.integrations.vllm:register"``; until
+the client package declares it, declare it in a package of your own). ``register`` may
+run any number of times. vLLM versions whose ``WeightTransferConfig.backend`` is a fixed
+list of names refuse any other name before the factory is asked.
 
 vLLM drives the four phases on every worker. ``init_transfer_engine`` subscribes to the
 channel (``init_info``: ``channel``, and optionally ``owner``, ``socket``,
@@ -29,7 +36,9 @@ which records the version string after its workers' ``finish_weight_update`` ret
 never records a version whose tensors did not all land. No engine swaps weights
 atomically: the model holds a mix of two versions while ``load_weights`` runs, and after
 a failed update until the next one succeeds; what shmstage guarantees is that what it
-hands over is one version, never torn (it is pinned throughout).
+hands over is one version, never torn (it is pinned throughout). With several workers
+(tensor parallel), pass ``step``: each worker pins for itself, and "the newest" could
+differ between two workers while the trainer publishes.
 
 What was tested, and what was not: the core (``WeightReceiver``: follow, pin, stream in
 buckets, count what landed, report the step) is tested on CPU against a real daemon and a
@@ -211,7 +220,11 @@ def register(name: str = BACKEND) -> None:
     registry = factory.WeightTransferEngineFactory
     if name in getattr(registry, "_registry", {}):
         return
-    registry.register_engine(name, __name__, "ShmStageWeightTransferEngine")
+    try:
+        registry.register_engine(name, __name__, "ShmStageWeightTransferEngine")
+    except ValueError:  # registered meanwhile (vLLM refuses a name twice)
+        if name not in getattr(registry, "_registry", {name: None}):
+            raise
 
 
 def __getattr__(name: str) -> Any:

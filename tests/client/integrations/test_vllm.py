@@ -172,6 +172,28 @@ def test_a_step_already_replaced_by_a_newer_one_is_refused_naming_the_newest(
         receiver.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_cuda_device_every_bucket_lands_in_the_models_parameters_there(
+    socket: str, name: str, stager: Stager
+) -> None:
+    trainer, rollout = TinyModel(seed=11), TinyModel(seed=12).cuda()
+    receiver = WeightReceiver(name, socket=socket, device="cuda", bucket_bytes=8 << 10)
+    try:
+        for step in (1, 2):
+            with torch.no_grad():
+                trainer.proj.bias.add_(step)
+            stager.publish(trainer.state_dict(), name, step=step)
+            receiver.start()
+            receiver.receive(rollout.load_weights, step=step, timeout=10)
+            assert receiver.finish() == step
+            assert all(t.is_cuda for t in rollout.seen_buffers)
+            assert same(trainer, rollout.cpu())
+            rollout.cuda()
+    finally:
+        receiver.close()
+
+
 # -- the backend class, against a stand-in of vLLM's modules --------------------------
 
 
