@@ -23,7 +23,7 @@ import pytest
 import torch
 from harness import RunningDaemon
 from shmstage_bench import budget as budget_module
-from shmstage_bench import direct_io, peers, report, restore
+from shmstage_bench import comparison, direct_io, peers, report, restore
 from shmstage_bench import method as method_module
 from shmstage_bench import session as session_module
 from shmstage_bench.daemon import _JOURNAL_IN_LOG, _journal_in
@@ -331,6 +331,17 @@ def test_a_method_cut_short_by_its_share_keeps_its_first_save_and_says_so(
     res = method_module.measure(method, {"t": torch.zeros(4)}, 2, plan=plan)
     assert res.status == "ok" and res.first is not None and res.samples == []
     assert res.note.startswith("0 repeats of 2 (budget: its share was 5 s; a save took ")
+
+
+def test_a_peer_known_to_hang_at_this_many_tensors_is_a_row_citing_why_unless_named() -> None:
+    spec = SyntheticSpec(1 << 30, 100_000, 1024, 64 << 10, "bf16", "cuda", 0)
+    why = comparison._beyond_scale(peers.NvrxShmCached, spec, named=False)
+    assert why.startswith("skipped at 100,000 tensors: nvidia-resiliency-ext hung in its first")
+    assert why.endswith("name it in --methods to run it anyway")
+    assert comparison._beyond_scale(peers.NvrxShmCached, spec, named=True) == ""
+    at_10k = SyntheticSpec(1 << 30, 10_000, 1024, 64 << 10, "bf16", "cuda", 0)
+    assert comparison._beyond_scale(peers.NvrxShmCached, at_10k, named=False) == ""
+    assert comparison._beyond_scale(peers.TorchSave, spec, named=False) == ""
 
 
 def test_a_peer_that_is_not_installed_is_a_row_naming_what_to_install(
