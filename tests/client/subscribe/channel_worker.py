@@ -6,6 +6,8 @@ imported this module (and torch) once, each talking back through ``tell``.
     holder   pin the newest version, tell its step, and hold it until killed
     dier     publish step 1, then fill a slot with step 2 and stop before publishing it,
              until killed
+    saver    save step 3 durably to ``path`` and publish it (``save(..., publish=)``), then
+             wait to be killed
 """
 
 from __future__ import annotations
@@ -63,4 +65,11 @@ def dier(socket: str, name: str, tell: Any) -> None:
     stager.publish(state_of(1), name, step=1)
     staged = stager.stage(state_of(2))  # filled, never published
     tell.send(staged.slot)
+    time.sleep(3600)
+
+
+def saver(socket: str, name: str, path: str, tell: Any) -> None:
+    stager = Stager(socket)
+    stager.save(state_of(3), path, metadata={"step": 3}, publish=name).wait(60)
+    tell.send("saved")
     time.sleep(3600)

@@ -226,3 +226,16 @@ def test_a_non_blocking_publish_becomes_visible_once_its_guarded_copy_landed(
         with subscriber.wait(timeout=10) as version:
             state = version.state()
         assert all(torch.equal(state[key], expected[key]) for key in expected)
+
+
+def test_a_saved_and_published_version_stays_readable_while_the_daemon_retains_its_layout(
+    forks: Any, socket: str, name: str, tmp_path: Path
+) -> None:
+    """A trainer that dies leaves its layout retained (it holds an acknowledged checkpoint):
+    the version published from that save is still there for readers."""
+    saver, told = worker(forks, "saver", socket, name, str(tmp_path / "step-3"))
+    assert heard(told) == "saved"
+    saver.kill()
+    saver.join(10)
+    with subscribe(name, socket=socket) as subscriber, subscriber.wait(timeout=10) as version:
+        assert version.step == 3 and uniform(version.state(), 3)
