@@ -57,6 +57,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 TIMEOUT = 60.0
 RUN_LIMIT = 120.0
 OVERRIDE = "shmstage_client.integrations.torchtitan.shmstage_checkpoint"
+LEFTOVER = ".step-9.0123456789abcdef.shmstage-pending"
 VOCAB = 67  # rows shard unevenly over 2 ranks (34 and 33)
 
 
@@ -405,6 +406,11 @@ def main() -> None:
         {f"first-{rank}": fork_rank("first", rank, 2, args) for rank in range(2)}
         | {"modes-0": fork_rank("modes", 0, 1, args)}
     )
+    # What a save killed between its ranks' commits and its publish leaves beside the
+    # checkpoints: a hidden pending directory, with a rank's committed data in it.
+    leftover = Path(args.work) / "dump" / "checkpoint" / LEFTOVER / "rank-00000"
+    leftover.mkdir(parents=True)
+    (leftover / "rank-00000-of-00002.safetensors").write_bytes(b"\0" * 64)
     exits |= wait({f"resume-{rank}": fork_rank("resume", rank, 2, args) for rank in range(2)})
     (Path(args.work) / "exits.json").write_text(json.dumps(exits))
 
