@@ -280,6 +280,9 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "tensors": _LIST,
         "tree": _ANY,
         "metadata": _MAP,
+        # Each tensor's CRC-32C (layout order) when the version is a save's whose job
+        # computed them (``save(..., publish=)``, once durable); absent otherwise.
+        "checksums": _LIST,
     },
     "ring_fds": {"pin": _INT, "first": _INT},
     # ``held``: the pin was in force until now (false: it had expired).
@@ -321,7 +324,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "publish": frozenset({"job", "tree", "metadata", "share"}),
     "subscribe": frozenset({"owner"}),
     "pin": frozenset({"newer_than", "seconds", "max_fds"}),
-    "pinned": frozenset({"tensors"}),
+    "pinned": frozenset({"tensors", "checksums"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 

@@ -81,6 +81,8 @@ class Version:
     slot: Slot
     tree: Any
     metadata: dict[str, Any]
+    #: The save whose committed slot this is (``save(..., publish=)``), if any.
+    job: int | None = None
 
 
 @dataclass(eq=False)
@@ -176,6 +178,7 @@ class Channels:
         tree: Any,
         metadata: dict[str, Any],
         share: Collection[int] = (),
+        job: int | None = None,
     ) -> tuple[Version, list[Subscription]]:
         """Make ``slot`` (filled, its copy complete) version ``step`` of ``uid``'s channel
         ``name``; returns it and the subscriptions to tell. The caller has checked that the
@@ -202,7 +205,9 @@ class Channels:
             raise StoreError(ErrorCode.BAD_REQUEST, f"step {step} does not fit 64 bits")
         if channel is None:
             channel = self._open(uid, name)
-        version = Version(self._store.next_id(), step, channel.id, staged, slot, tree, metadata)
+        version = Version(
+            self._store.next_id(), step, channel.id, staged, slot, tree, metadata, job
+        )
         slot.version = version
         channel.versions = [v for v in channel.versions if self.current(v)] + [version]
         channel.last_step = step

@@ -99,6 +99,7 @@ class Publishing:
             tree=tree,
             metadata=metadata,
             share=share,
+            job=body.get("job"),
         )
         if "job" not in body:
             self._store.release_slot(session.id, staged, slot)  # FREE, holding the version
@@ -169,6 +170,9 @@ class Publishing:
             }
             if not self._sent:
                 body["tensors"] = staged.layout.to_wire()
+            held = slot.held  # a save's checksums, once its job made it durable
+            if held is not None and held.job == version.job and held.checksums is not None:
+                body["checksums"] = held.checksums
             try:
                 await session.send("pinned", frame.id, body)
             except ValueError as exc:  # the structure does not fit one frame: nothing sent

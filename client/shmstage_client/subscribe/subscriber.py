@@ -169,6 +169,7 @@ class Subscriber:
             pin=pinned["pin"],
             expires=asked + pinned["seconds"] - PIN_MARGIN_S,
             unpin=unpin,
+            checksums=pinned.get("checksums"),
         )
 
     def _ring_for(self, pinned: dict[str, Any]) -> Ring:

@@ -12,6 +12,13 @@ instead, a bucket of consecutive tensors at a time, for a consumer that loads ea
 its own parameters (an inference engine): the device holds one bucket beside the model,
 never a second copy of the whole state. Both check afterwards that the pin still held,
 and raise ``VersionExpired`` if it ran out meanwhile (what was copied may be torn).
+
+A version published by ``save(..., publish=)`` whose checkpoint is durable comes with each
+tensor's CRC-32C as the daemon computed them writing the files: ``state()`` then copies
+through the restore wing's verified transfer (``restore.transfer``: pinned pieces,
+checksummed as they pass) and ``verified`` says so. Other versions have no checksums —
+nothing computed any — and are copied straight from the ring (``verified`` False): the pin
+is what guarantees they are whole.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import torch
 from shmstage import tree
 from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.errors import SaveError
+from shmstage_client.restore.sources import MappedSource
+from shmstage_client.restore.transfer import Placement, transfer
 from shmstage_client.subscribe.ring import Ring
 
 #: A bucket's default size for ``Version.tensors``.
@@ -52,9 +61,13 @@ class Version:
         pin: int,
         expires: float,
         unpin: Callable[[int], bool],
+        checksums: list[int] | None = None,
     ) -> None:
         self.step = step
         self.metadata = metadata
+        self._checksums = checksums
+        #: Whether the last ``state()`` checked every tensor against its CRC-32C.
+        self.verified = False
         self._encoded = encoded
         self._ring = ring
         self._slot = slot
@@ -93,15 +106,40 @@ class Version:
         finally:
             self._ring.done()
 
-    def state(self, device: str | torch.device = "cpu") -> Any:
+    def state(self, device: str | torch.device = "cpu", *, verify: bool = True) -> Any:
         """The version's state dict on ``device``: nested as published, plain values
-        included, every tensor a view of one buffer holding the whole version."""
+        included, bit-exact. Without checksums (or ``verify=False``) every tensor is a
+        view of one buffer holding the whole version; with them, each is checked (raises
+        ChecksumError naming the first that does not match) and ``verified`` is True."""
         device = torch.device(device)
         self._check_open()
-        buffer = self._copy(0, self._ring.region(self._slot).size, device)
-        tensors = dict(self._views(buffer, range(len(self._ring.layout.tensors))))
+        if verify and self._checksums is not None:
+            tensors = self._verified(device)
+        else:
+            buffer = self._copy(0, self._ring.region(self._slot).size, device)
+            tensors = dict(self._views(buffer, range(len(self._ring.layout.tensors))))
         self._check_held()
+        self.verified = verify and self._checksums is not None
         return tree.unflatten(self._encoded, tensors.__getitem__)
+
+    def _verified(self, device: torch.device) -> dict[str, torch.Tensor]:
+        region = self._ring.region(self._slot)
+        specs = self._ring.layout.tensors
+        if self._checksums is None or len(self._checksums) != len(specs):
+            raise SaveError("shmstaged sent checksums that do not match the version's tensors")
+        placements = [
+            Placement(
+                spec.key,
+                FROM_SAFETENSORS[spec.dtype],
+                spec.shape,
+                self._offset(index),
+                spec.nbytes,
+                crc,
+            )
+            for index, (spec, crc) in enumerate(zip(specs, self._checksums, strict=True))
+        ]
+        where = f"version {self.step}"
+        return transfer(MappedSource(region.address, region.size, where), placements, device)
 
     def tensors(
         self, device: str | torch.device = "cpu", *, bucket_bytes: int = BUCKET_BYTES

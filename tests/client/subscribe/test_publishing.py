@@ -106,7 +106,7 @@ def test_a_pinned_version_stays_unchanged_while_newer_ones_are_published(
         with subscriber.wait(timeout=10) as first:
             for step in range(2, 8):
                 stager.publish(state_of(step), name, step=step)
-            assert uniform(first.state(), 1)
+            assert uniform(first.state(), 1) and not first.verified  # nothing computed any
             assert dict(first.tensors())["w"].eq(1).all()
             with subscriber.wait(newer_than=1, timeout=10) as newest:
                 assert newest.step == 7 and uniform(newest.state(), 7)
@@ -185,6 +185,9 @@ def test_save_with_publish_publishes_the_committed_copy_without_a_second_one(
             assert uniform(version.state(), 9)
         handle.wait(30)
         assert uniform(load(tmp_path / "step-9"), 9)
+        with subscriber.wait(timeout=10) as version:  # durable now: the job's checksums
+            assert uniform(version.state(), 9) and version.verified
+            assert uniform(version.state(verify=False), 9) and not version.verified
         with pytest.raises(ValueError, match="needs block=True"):
             stager.save(state_of(10), tmp_path / "x", metadata={"step": 10}, publish=name,
                         block=False)  # fmt: skip
