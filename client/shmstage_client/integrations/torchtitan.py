@@ -104,6 +104,11 @@ def shmstage_checkpoint(config: Any, **settings: Any) -> Any:
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.config.override import derive
 
+    if not settings.get("enable", config.enable):
+        log.warning(
+            "%s: checkpointing is off in this run (add --checkpoint.enable): nothing is saved "
+            "or loaded, through shmstage or otherwise", OVERRIDE_TARGET,
+        )
     if isinstance(config, manager.Config):
         return dataclasses.replace(config, **settings)
     if type(config) is not CheckpointManager.Config:
