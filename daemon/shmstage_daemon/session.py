@@ -5,11 +5,11 @@ A session is the thin asyncio shell around a protocol Connection. Whatever the c
 and their segments unlinked once no job reads them any more.
 
 What an op does is not here: the daemon gives each session a table from op to handler
-(``registration``, ``commits``, ``restores``, ``status``), handlers built for this session
-with the few services each uses. A handler answers through the session's ``send``,
-``send_error`` and ``send_segments``, and raises ``RequestError`` (or the store's
-``StoreError``) for a request the client got wrong: the session answers that with an error
-frame and lives on.
+(``registration``, ``commits``, ``restores``, ``publishing``, ``status``), handlers built
+for this session with the few services each uses. A handler answers through the session's
+``send``, ``send_error`` and ``send_segments``, and raises ``RequestError`` (or the
+store's ``StoreError``) for a request the client got wrong: the session answers that with
+an error frame and lives on.
 """
 
 from __future__ import annotations
