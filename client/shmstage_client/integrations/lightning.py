@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shmstage import listing
 from shmstage.checkpoint import CheckpointError
@@ -429,7 +430,8 @@ class _ShmStageCheckpointIO:
     others may change); by default they are refused, as ``latest()`` refuses them.
 
     ``last_restored``: how the last ``load_checkpoint`` came back (``.source`` is "memory"
-    or "files"; None for a ``torch.save`` file).
+    or "files"; None for a ``torch.save`` file). ``last_save``: the last save's
+    ``SaveHandle`` (``.timings``: what it cost the step).
     """
 
     def __init__(
@@ -451,6 +453,7 @@ class _ShmStageCheckpointIO:
         self.verify = verify
         self.trust_others = trust_others
         self.last_restored: Restored | None = None
+        self.last_save: SaveHandle | None = None
         self._stager: Stager | None = None
         self._finisher: _Finisher | None = None
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -492,6 +495,7 @@ class _ShmStageCheckpointIO:
             block=block,
         )
         finisher.after_save(handle, target, replacing)
+        self.last_save = handle
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -583,7 +587,7 @@ class _ShmStageCheckpointIO:
             def note(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 seen.add(optimizer)
 
-            self._step_hook = torch.optim.optimizer.register_optimizer_step_pre_hook(note)
+            self._step_hook = register_optimizer_step_pre_hook(note)
 
     def _guard(self, stager: Stager) -> bool:
         """Guard the optimizers noticed so far; whether any is guarded."""

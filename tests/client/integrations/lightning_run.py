@@ -98,7 +98,9 @@ def fit(
     )  # fmt: skip
     trainer.fit(model, ckpt_path=ckpt_path)
     restored = io.last_restored if io is not None else None
+    saved = io.last_save if io is not None else None
     result = {
+        "deferred": bool(saved and saved.timings.deferred_copy_seconds > 0),
         "losses": model.losses,
         "source": restored.source if restored else None,
         "reason": restored.reason if restored else None,

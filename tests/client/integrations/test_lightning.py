@@ -69,18 +69,21 @@ def run(context: Any, workdir: Path, *args: Any, **kwargs: Any) -> tuple[int, di
 def killed_and_resumed(
     forks: Any, module_daemon: RunningDaemon, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
-    """An uninterrupted run; a run SIGKILLed after step 10 (checkpoints at 3, 6, 9); a new
-    process resuming that run with ``ckpt_path="last"``."""
+    """An uninterrupted run (saving with ``block=False``); a run SIGKILLed after step 10
+    (checkpoints at 3, 6, 9); a new process resuming that run with ``ckpt_path="last"``."""
     socket = str(module_daemon.socket)
     straight = tmp_path_factory.mktemp("straight")
-    code, uninterrupted = run(forks, straight, socket, STEPS)
+    code, uninterrupted = run(forks, straight, socket, STEPS, block=False)
     assert code == 0
     interrupted = tmp_path_factory.mktemp("interrupted")
     code, _ = run(forks, interrupted, socket, STEPS, kill_at=10)
     assert code == -9  # SIGKILL, as it meant to
     code, resumed = run(forks, interrupted, socket, STEPS, ckpt_path="last")
     assert code == 0
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "dir": interrupted / "ckpt"}
+    return {
+        "uninterrupted": uninterrupted, "resumed": resumed, "dir": interrupted / "ckpt",
+        "straight": straight,
+    }  # fmt: skip
 
 
 def test_a_run_sigkilled_mid_training_resumes_from_last_with_exactly_the_uninterrupted_losses(
@@ -92,6 +95,22 @@ def test_a_run_sigkilled_mid_training_resumes_from_last_with_exactly_the_uninter
     assert {step: loss for step, loss in resumed} == {
         step: uninterrupted[step] for step in range(9, STEPS)
     }  # bit-exact: the losses are float.hex()
+
+
+def test_a_checkpoint_saved_with_block_false_holds_the_state_at_the_save(
+    forks: Any, module_daemon: RunningDaemon, killed_and_resumed: dict[str, Any]
+) -> None:
+    """The uninterrupted run saved with ``block=False``: the optimizers' tensors were
+    copied behind the next step's start and the guard held that step's update back. A copy
+    that read them late would hold step 10's weights, and a run resumed from it would not
+    see the uninterrupted losses."""
+    assert killed_and_resumed["uninterrupted"]["deferred"]  # the copy did run behind
+    straight = killed_and_resumed["straight"]
+    checkpoint = str(straight / "ckpt" / "epoch=1-step=9.ckpt")
+    code, resumed = run(forks, straight, str(module_daemon.socket), STEPS, ckpt_path=checkpoint)
+    assert code == 0
+    uninterrupted = dict(map(tuple, killed_and_resumed["uninterrupted"]["losses"]))
+    assert resumed["losses"] == [[step, uninterrupted[step]] for step in range(9, STEPS)]
 
 
 def test_the_resume_after_a_sigkill_reads_the_checkpoint_from_the_daemons_memory(
