@@ -122,9 +122,10 @@ def tensors_of(node: Any) -> list[torch.Tensor]:
     return []
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (``RssAnon``, ``RssShmem``: its parts) in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -182,6 +183,8 @@ def measure(count: int, args: argparse.Namespace, socket: str, pid: int | None, 
     if pid is not None:
         time.sleep(1.0)  # the daemon notices the disconnection and releases the layout
         row["rss_after_mib"] = rss_mib(pid)
+        row["rss_after_anon_mib"] = rss_mib(pid, "RssAnon")
+        row["rss_after_shmem_mib"] = rss_mib(pid, "RssShmem")
     if profiler is not None:
         profiler.dump_stats(f"{args.profile}.{count}")
     row["steady_s"] = statistics.median(stalls)
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             rss = (
                 f"; daemon RSS {row['rss_idle_mib']:.0f} -> {row['rss_registered_mib']:.0f} -> "
-                f"{row['rss_after_mib']:.0f} MiB after the client left"
+                f"{row['rss_after_mib']:.0f} MiB after the client left (anonymous "
+                f"{row['rss_after_anon_mib']:.0f}, shared {row['rss_after_shmem_mib']:.0f})"
                 if daemon
                 else ""
             )

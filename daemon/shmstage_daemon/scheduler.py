@@ -316,6 +316,9 @@ class WriteScheduler:
                     self._fail(writes, error)
                 self._give_back(writes, chunk)
                 self._cond.notify_all()
+            # Nothing of this chunk may stay alive while the thread waits for the next:
+            # its job (and its checks, one per tensor) would, until another job comes.
+            del taken, writes, chunk, error
 
     def _next(self, me: int) -> tuple[JobWrites, Chunk] | None:
         """The next chunk in turn for thread ``me``, or None when the thread should end."""
