@@ -83,6 +83,38 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
 
 
+class Packed(bytes):
+    """A field's msgpack encoding, kept undecoded by the frame decoder (``KEPT_PACKED``):
+    its receiver decodes it with ``decode_packed`` — or not at all, when it equals one it
+    decoded and checked already."""
+
+
+#: Fields a frame of these ops keeps as ``Packed``: a commit's structure, which the daemon
+#: decodes and checks once per layout and structure, not on every save (``commits``).
+KEPT_PACKED: Final = {"commit": "tree"}
+
+
+def decode_packed(packed: bytes) -> Any:
+    """A ``Packed`` field decoded as the frame decoder would have decoded it: containers
+    counted (``MAX_DECODED_CONTAINERS``), extension types refused. Raises ProtocolError."""
+    try:
+        return msgpack.unpackb(
+            packed,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            use_list=True,
+            **_Budget().hooks(),
+        )
+    except _OverBudget:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE,
+            f"{len(packed)} bytes decode to more than {MAX_DECODED_CONTAINERS} maps and lists",
+        ) from None
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"undecodable: {exc}") from None
+
+
 class ProtocolError(Exception):
     """A peer broke the protocol; the message is safe to send back to it."""
 
@@ -507,14 +539,18 @@ class Connection:
             # unpackb bounds every container and string by the payload length, so a small
             # frame cannot ask for a huge allocation; ext types are refused outright.
             hooks = _Budget().hooks() if len(payload) > _COUNTED_ABOVE else {}
-            message = msgpack.unpackb(
-                payload,
-                raw=False,
-                strict_map_key=True,
-                ext_hook=_refuse_ext,
-                use_list=True,
-                **hooks,
-            )
+            kept = KEPT_PACKED.get(_first_op(payload[:64]) or "") if hooks else None
+            if kept is not None:
+                message = _unpack_keeping(payload, kept, hooks)
+            else:
+                message = msgpack.unpackb(
+                    payload,
+                    raw=False,
+                    strict_map_key=True,
+                    ext_hook=_refuse_ext,
+                    use_list=True,
+                    **hooks,
+                )
         except _OverBudget:
             self._fail(
                 ProtocolError(
@@ -654,6 +690,31 @@ def _first_op(head: bytes) -> str | None:
         return None
     return op if isinstance(op, str) else None
 
+
+def _unpack_keeping(payload: bytes, kept: str, hooks: dict[str, Any]) -> dict[str, Any]:
+    """A frame's map decoded but for field ``kept``, whose bytes are only skipped over
+    (in C, building nothing) and kept as ``Packed``."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        ext_hook=_refuse_ext,
+        use_list=True,
+        max_buffer_size=len(payload),
+        **hooks,
+    )
+    unpacker.feed(payload)
+    message: dict[str, Any] = {}
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key == kept:
+            start = unpacker.tell()
+            unpacker.skip()
+            message[key] = Packed(payload[start : unpacker.tell()])
+        else:
+            message[key] = unpacker.unpack()
+    if unpacker.tell() != len(payload):
+        raise ValueError("extra data after the frame's map")
+    return message
 
 
 class _OverBudget(Exception):

@@ -107,7 +107,9 @@ class Commits:
             await self._run_io(check_destination_as, session.peer, destination)
             staged = store.get(session.id, body["layout"])  # still there after the wait
             slot = store.slot(staged, body["slot"])
-            file_metadata, metadata = requests.commit_contents(body, staged.layout)
+            file_metadata, metadata = requests.commit_contents(body)
+            packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
+            staged.tree = (packed_tree, tree)
             header = staged.header(file_metadata)
             ready = body.get("ready", True)
             prepared = None
@@ -129,7 +131,8 @@ class Commits:
             segments=slot.segments,
             header=header,
             destination=destination,
-            tree=body["tree"],
+            tree=tree,
+            packed_tree=packed_tree,
             metadata=metadata,
             save_info={
                 "client": session.client_name,

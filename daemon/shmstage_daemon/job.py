@@ -123,6 +123,8 @@ class PersistJob:
     #: The layout's manifest entries for this data file, from an earlier save of it; the
     #: job renders them when there are none and hands them back with its result.
     entries: manifest.TensorEntries | None = None
+    #: ``tree`` as it came in its commit, for the journal to store as is.
+    packed_tree: bytes | None = None
 
 
 @dataclass

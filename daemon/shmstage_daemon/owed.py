@@ -154,10 +154,13 @@ class Owed:
         entry = journal.entry_for(
             persist, wire, self.instance, peer, directory, (st.st_dev, st.st_ino)
         )
+        prepacked = dict(wire.packed)
+        if persist.packed_tree is not None:  # 0.45 MiB to pack again at 10,000 tensors
+            prepacked["tree"] = persist.packed_tree
         if owed:
-            self.journal.record(entry, fsync=fsync, prepacked=wire.packed)
+            self.journal.record(entry, fsync=fsync, prepacked=prepacked)
         else:
-            self.journal.write_pending(entry, fsync=fsync, prepacked=wire.packed)
+            self.journal.write_pending(entry, fsync=fsync, prepacked=prepacked)
         return directory
 
     def journaled(self, job_id: int) -> bool:

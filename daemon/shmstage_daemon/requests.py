@@ -13,9 +13,18 @@ import os
 import stat
 from typing import Any
 
+import msgpack
+
 from shmstage import tree
 from shmstage.layout import Layout
-from shmstage.protocol import MAX_FDS_PER_FRAME, ErrorCode, Frame
+from shmstage.protocol import (
+    MAX_FDS_PER_FRAME,
+    ErrorCode,
+    Frame,
+    Packed,
+    ProtocolError,
+    decode_packed,
+)
 from shmstage_daemon import job
 from shmstage_daemon.transport import close_fds
 
@@ -69,16 +78,32 @@ def destination(frame: Frame) -> job.Destination:
     )
 
 
-def commit_contents(body: dict[str, Any], layout: Layout) -> tuple[dict[str, str], Any]:
-    """A commit's file metadata and metadata, checked, and its tree checked against
-    ``layout``: what the data file's header and the manifest will hold."""
+def commit_contents(body: dict[str, Any]) -> tuple[dict[str, str], Any]:
+    """A commit's file metadata and metadata, checked: what the data file's header and the
+    manifest will hold besides the tree (``commit_tree``)."""
     file_metadata = string_map(body.get("file_metadata", {}), "file_metadata")
     metadata = body.get("metadata", {})
     if len(metadata) > MAX_METADATA_ENTRIES:
         raise RequestError(ErrorCode.BAD_REQUEST, "metadata has too many entries")
     check_json(metadata, "commit.metadata")
-    check_tree(body["tree"], layout)
     return file_metadata, metadata
+
+
+def commit_tree(value: Any, layout: Layout, seen: tuple[bytes, Any] | None) -> tuple[bytes, Any]:
+    """A commit's tree as it came (``Packed``, as a frame's decoder keeps it) and decoded,
+    checked against ``layout`` — unless it is exactly the one ``seen`` (the layout's last
+    commit's, checked then): a save of the same structure and plain values decodes and
+    checks nothing, however many tensors it has."""
+    packed = value if isinstance(value, Packed) else Packed(msgpack.packb(value, use_bin_type=True))
+    if seen is not None and seen[0] == packed:
+        return seen
+    if isinstance(value, Packed):
+        try:
+            value = decode_packed(packed)
+        except ProtocolError as exc:
+            raise RequestError(exc.code, f"commit.tree: {exc.message}") from None
+    check_tree(value, layout)
+    return packed, value
 
 
 def fds_per_message(frame: Frame) -> int:

@@ -112,6 +112,9 @@ class StagedLayout:
     #: tens of milliseconds per save at 10,000 tensors); kept by the event loop.
     entries: dict[str, TensorEntries] = field(default_factory=dict, repr=False)
     wires: dict[int, SlotWire] = field(default_factory=dict, repr=False)
+    #: Its last commit's tree as it came and decoded, checked against the layout: the
+    #: next commit of the same tree decodes and checks nothing (``requests.commit_tree``).
+    tree: tuple[bytes, Any] | None = field(default=None, repr=False)
 
     def wire(self, slot: Slot) -> SlotWire:
         """The journal's record of ``slot``, built on its first commit."""

@@ -17,9 +17,11 @@ from shmstage.protocol import (
     SMALL_FRAME_BYTES,
     Connection,
     ErrorCode,
+    Packed,
     ProtocolError,
     Role,
     chunk_fds,
+    decode_packed,
     encode_frame,
     pack_map,
 )
@@ -154,22 +156,41 @@ def test_a_large_register_is_accepted() -> None:
 
 
 def test_a_frame_of_tiny_maps_is_stopped_at_its_decoding_budget() -> None:
-    """Two bytes per empty map would decode to 30-60x their size; the count stops it."""
+    """Two bytes per empty map would decode to 30-60x their size; the count stops it, in a
+    frame as in a commit's tree, which the frame keeps packed until it is decoded."""
     _client, daemon = greeted_daemon_side()
     count = MAX_DECODED_CONTAINERS + 10
-    head = msgpack.packb({"op": "commit", "id": 2, "nfds": 0})  # a fixmap of 3 entries...
-    payload = (
-        b"\x84"  # ...made one of 4, the fourth being "tree": an array32 of empty maps
-        + head[1:]
-        + msgpack.packb("tree")
-        + b"\xdd"
-        + struct.pack(">I", count)
-        + b"\x80" * count
-    )
+    tiny = b"\xdd" + struct.pack(">I", count) + b"\x80" * count  # an array32 of empty maps
+    head = msgpack.packb({"op": "register", "id": 2, "nfds": 0})  # a fixmap of 3 entries...
+    payload = b"\x84" + head[1:] + msgpack.packb("tensors") + tiny  # ...made one of 4
     daemon.receive_data(struct.pack(">I", len(payload)) + payload)
     with pytest.raises(ProtocolError, match="decodes to more than") as info:
         daemon.next_frame()
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+    with pytest.raises(ProtocolError, match="decode to more than") as info:
+        decode_packed(tiny)
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_a_large_commit_keeps_its_tree_packed_for_the_daemon_to_decode_once() -> None:
+    """A commit's tree of 20,000 tensors is skipped over, not decoded, with the frame: the
+    daemon decodes and checks it once per layout and tree (``requests.commit_tree``)."""
+    client, daemon = greeted_daemon_side()
+    tree = {"d": [[f"layer{i}", {"T": f"layer{i}"}] for i in range(20_000)]}
+    body = {
+        "layout": 1,
+        "slot": 0,
+        "data_file": "model.safetensors",
+        "data_tmp": "t",
+        "manifest_tmp": "m",
+        "metadata": {"step": 3},
+    }
+    packed = msgpack.packb(tree, use_bin_type=True)
+    daemon.receive_data(client.send("commit", 2, body, prepacked={"tree": packed}))
+    frame = daemon.next_frame()
+    assert isinstance(frame.body["tree"], Packed) and frame.body["tree"] == packed
+    assert decode_packed(frame.body["tree"]) == tree
+    assert {k: v for k, v in frame.body.items() if k != "tree"} == body
 
 
 def test_a_daemon_holds_few_descriptors_ahead_of_their_frame() -> None:

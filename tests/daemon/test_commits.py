@@ -25,8 +25,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgpack
 import pytest
-from shmstage_daemon import commits
+from shmstage_daemon import commits, requests
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.commits import Commits
 from shmstage_daemon.requests import RequestError
@@ -37,7 +38,7 @@ from shmstage_daemon.telemetry import Telemetry
 from shmstage import names
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
-from shmstage.protocol import ErrorCode, Frame
+from shmstage.protocol import ErrorCode, Frame, Packed
 from shmstage.segment import SegmentRef
 
 SESSION = 7
@@ -292,3 +293,40 @@ def test_a_commit_whose_tree_names_a_tensor_the_layout_lacks_is_refused(tmp_path
         assert bench.slot.state is SlotState.FILLING and bench.journal.entries == {}
 
     run(scenario)
+
+
+# -- the tree: decoded and checked once per layout and tree ------------------------------
+
+
+def _packed(tree: object) -> Packed:
+    return Packed(msgpack.packb(tree, use_bin_type=True))
+
+
+def test_a_commit_of_the_tree_already_checked_decodes_nothing() -> None:
+    layout = Layout.of([TensorSpec("w", "F32", (2,)), TensorSpec("b", "F32", (1,))])
+    tree = {"d": [["w", {"T": "w"}], ["b", {"T": "b"}], ["lr", {"f": "0x1.0p-10"}]]}
+    seen = requests.commit_tree(_packed(tree), layout, None)
+    assert seen == (_packed(tree), tree)
+    again = requests.commit_tree(_packed(tree), layout, seen)
+    assert again is seen  # the same bytes: the decoded tree checked then, nothing decoded
+    new_lr = {"d": [*tree["d"][:2], ["lr", {"f": "0x1.0p-11"}]]}
+    assert requests.commit_tree(_packed(new_lr), layout, seen)[1] == new_lr
+
+
+@pytest.mark.parametrize(
+    ("tree", "code"),
+    [
+        ({"d": [["w", {"T": "w"}], ["x", {"T": "not-in-the-layout"}]]}, ErrorCode.BAD_REQUEST),
+        ({"d": [["w", {"T": "w"}], ["lr", 0.5]]}, ErrorCode.BAD_REQUEST),  # a float untagged
+        ({"d": [["w", {"T": "w"}], ["b", msgpack.ExtType(1, b"x")]]}, ErrorCode.BAD_FRAME),
+    ],
+)
+def test_a_commit_of_another_tree_is_checked_whatever_was_checked_before(
+    tree: object, code: ErrorCode
+) -> None:
+    layout = Layout.of([TensorSpec("w", "F32", (2,)), TensorSpec("b", "F32", (1,))])
+    good = {"d": [["w", {"T": "w"}], ["b", {"T": "b"}]]}
+    seen = requests.commit_tree(_packed(good), layout, None)
+    with pytest.raises(RequestError) as info:
+        requests.commit_tree(_packed(tree), layout, seen)
+    assert info.value.code is code
