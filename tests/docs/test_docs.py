@@ -19,7 +19,7 @@ from harness import RunningDaemon, shmstaged_command
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
-PAGES = [README, *sorted(DOCS.glob("*.md"))]
+PAGES = [README, *sorted(DOCS.rglob("*.md")), *sorted((REPO / "examples").rglob("*.md"))]
 SOURCES = ["shmstage", "daemon", "client", "bench", "scripts", "tests", "systemd", "Makefile"]
 
 #: The two commands a newcomer types first, exactly as the README's first block says them.
