@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensors", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--elements", type=int, default=256, help="typical elements per tensor")
     parser.add_argument("--repeats", type=int, default=7, help="steady saves (median)")
+    parser.add_argument(
+        "--plain",
+        choices=("changing", "fixed"),
+        default="changing",
+        help="the plain values (learning rate, step) change every save, as in training "
+        "(default), or stay the same",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--socket", default=None, help="use this shmstaged instead of one's own")
     parser.add_argument("--dir", default=None, help="checkpoints (default: a temp dir)")
@@ -85,12 +92,13 @@ def make_state(count: int, elements: int, device: str) -> dict[str, Any]:
     return result
 
 
-def new_step(state: dict[str, Any], step: int) -> dict[str, Any]:
+def new_step(state: dict[str, Any], step: int, changing: bool = True) -> dict[str, Any]:
     """The state dict a training loop saves at ``step``: new dicts (as ``state_dict()``
     builds them), new tensor objects over the same storage (as ``detach()`` makes them),
-    a new learning rate and step."""
+    and (``changing``) a new learning rate and step."""
     optimizer = state["optimizer"]
-    groups = [{**group, "lr": group["lr"] * 0.99} for group in optimizer["param_groups"]]
+    decay = 0.99 if changing else 1.0
+    groups = [{**group, "lr": group["lr"] * decay} for group in optimizer["param_groups"]]
     state["optimizer"]["param_groups"] = groups
     return {
         "model": {key: t.detach() for key, t in state["model"].items()},
@@ -100,7 +108,7 @@ def new_step(state: dict[str, Any], step: int) -> dict[str, Any]:
             },
             "param_groups": groups,
         },
-        "step": step,
+        "step": step if changing else 0,
     }
 
 
@@ -161,7 +169,7 @@ def measure(count: int, args: argparse.Namespace, socket: str, pid: int | None, 
     with Stager(socket, slots=2) as stager:
         for i in range(args.repeats + 1):
             path = root / f"n{count}-{i}"
-            saved = new_step(state, i)
+            saved = new_step(state, i, args.plain == "changing")
             synchronize(args.device)
             if i > 0 and profiler is not None:
                 profiler.enable()

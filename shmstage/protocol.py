@@ -115,6 +115,22 @@ def decode_packed(packed: bytes) -> Any:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"undecodable: {exc}") from None
 
 
+def packed_unpacker(packed: bytes) -> msgpack.Unpacker:
+    """An unpacker of ``packed`` that decodes as ``decode_packed`` does, for a reader that
+    decodes only parts of it (and skips the rest): every container its ``unpack`` calls
+    build counts against one budget; it raises on the budget or an extension type."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        ext_hook=_refuse_ext,
+        use_list=True,
+        max_buffer_size=max(len(packed), 1),
+        **_Budget().hooks(),
+    )
+    unpacker.feed(packed)
+    return unpacker
+
+
 class ProtocolError(Exception):
     """A peer broke the protocol; the message is safe to send back to it."""
 
@@ -236,6 +252,9 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # "ring_fds" frames.
     "pin": {"channel": _INT, "newer_than": _INT + _NONE, "seconds": _NUM, "max_fds": _INT},
     "unpin": {"pin": _INT},
+    # The checksums of a version this connection pins, waiting up to ``seconds`` (0, the
+    # default: only those known now) while the daemon computes them; "checksummed" answers.
+    "checksums": {"pin": _INT, "seconds": _NUM},
 }
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``default_slots``: the slots a registration without ``slots`` gets.
@@ -312,10 +331,13 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "tensors": _LIST,
         "tree": _ANY,
         "metadata": _MAP,
-        # Each tensor's CRC-32C (layout order) when the version is a save's whose job
-        # computed them (``save(..., publish=)``, once durable); absent otherwise.
+        # Each tensor's CRC-32C (layout order), once the daemon computed them after the
+        # version became visible (or, for ``save(..., publish=)``, its job did); absent
+        # until then ("checksums" asks for them later).
         "checksums": _LIST,
     },
+    # ``checksums``: null when there are none (yet: within the time asked for).
+    "checksummed": {"pin": _INT, "checksums": (list, type(None))},
     "ring_fds": {"pin": _INT, "first": _INT},
     # ``held``: the pin was in force until now (false: it had expired).
     "unpinned": {"pin": _INT, "held": _BOOL},
@@ -356,6 +378,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "publish": frozenset({"job", "tree", "metadata", "share"}),
     "subscribe": frozenset({"owner"}),
     "pin": frozenset({"newer_than", "seconds", "max_fds"}),
+    "checksums": frozenset({"seconds"}),
     "pinned": frozenset({"tensors", "checksums"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}

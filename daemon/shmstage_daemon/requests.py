@@ -25,7 +25,7 @@ from shmstage.protocol import (
     ProtocolError,
     decode_packed,
 )
-from shmstage_daemon import job
+from shmstage_daemon import job, treediff
 from shmstage_daemon.transport import close_fds
 
 #: Segment descriptors go out in groups at most this size (one frame each), or smaller
@@ -93,10 +93,15 @@ def commit_tree(value: Any, layout: Layout, seen: tuple[bytes, Any] | None) -> t
     """A commit's tree as it came (``Packed``, as a frame's decoder keeps it) and decoded,
     checked against ``layout`` — unless it is exactly the one ``seen`` (the layout's last
     commit's, checked then): a save of the same structure and plain values decodes and
-    checks nothing, however many tensors it has."""
+    checks nothing, however many tensors it has, and one whose plain values changed only
+    what changed (``treediff``)."""
     packed = value if isinstance(value, Packed) else Packed(msgpack.packb(value, use_bin_type=True))
     if seen is not None and seen[0] == packed:
         return seen
+    if seen is not None and isinstance(value, Packed):  # only what changed, decoded
+        reused = treediff.patched(seen[0], seen[1], packed, layout.key_set)
+        if reused is not None:
+            return packed, reused
     if isinstance(value, Packed):
         try:
             value = decode_packed(packed)

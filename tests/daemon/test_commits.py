@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from shmstage_daemon import commits, requests
+from shmstage_daemon import commits, requests, treediff
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.commits import Commits
 from shmstage_daemon.requests import RequestError
@@ -35,7 +35,7 @@ from shmstage_daemon.slot import SlotState
 from shmstage_daemon.store import Limits, StagedLayout, Store, StoreError
 from shmstage_daemon.telemetry import Telemetry
 
-from shmstage import names
+from shmstage import names, tree
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import ErrorCode, Frame, Packed
@@ -330,3 +330,82 @@ def test_a_commit_of_another_tree_is_checked_whatever_was_checked_before(
     with pytest.raises(RequestError) as info:
         requests.commit_tree(_packed(tree), layout, seen)
     assert info.value.code is code
+
+
+class _Tensor:
+    """A tensor leaf for ``tree.flatten`` (no torch in the daemon's tests)."""
+
+
+def _encoded(state: object) -> bytes:
+    encoded, _ = tree.flatten(state, lambda value: isinstance(value, _Tensor))
+    return msgpack.packb(encoded, use_bin_type=True)
+
+
+def _training_state(**changes: object) -> dict:
+    state = {
+        "model": {f"w{i}": _Tensor() for i in range(50)},
+        "optimizer": {
+            "state": {i: {"step": _Tensor(), "exp_avg": _Tensor()} for i in range(50)},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "params": list(range(50))}],
+        },
+        "step": 10,
+        "name": "run",
+    }
+    for path, value in changes.items():
+        *parents, last = path.split("__")
+        node: Any = state
+        for part in parents:
+            node = node[int(part) if part.isdigit() else part]
+        node[int(last) if last.isdigit() else last] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"step": 11},
+        {"optimizer__param_groups__0__lr": 3e-4, "step": 12},
+        {"optimizer__param_groups__0__lr": -0.0},
+        {"step": True},  # a bool where an int was: the same under ==, not in the bytes
+        {"step": 10.0},
+        {"name": "another run"},
+        {"optimizer__param_groups__0__params": list(range(51))},  # another count
+        {"optimizer__param_groups__0__betas": [0.9, 0.99]},  # another tag
+        {"model__w3": 5},  # a tensor became a plain value
+        {"optimizer__state__7__extra": _Tensor()},  # a tensor the layout lacks
+        {"model__w3": {"nested": [1, 2.5, None]}},
+    ],
+    ids=repr,
+)
+def test_a_changed_tree_decoded_in_part_is_what_a_whole_decoding_gives(changes: dict) -> None:
+    """Whatever changed, the tree read against the previous one is the new one exactly
+    (type for type: its encoding is the new bytes), or None and the whole check decides."""
+    old = _encoded(_training_state())
+    keys = frozenset(key for key, _ in tree.flatten(_training_state(), lambda v: isinstance(
+        v, _Tensor))[1])  # fmt: skip
+    old_tree = msgpack.unpackb(old, raw=False)
+    new = _encoded(_training_state(**changes))
+    result = treediff.patched(old, old_tree, new, keys)
+    try:
+        whole = msgpack.unpackb(new, raw=False)
+        requests.check_tree(whole, Layout.of([TensorSpec(k, "F32", (1,)) for k in keys]))
+    except RequestError:
+        assert result is None
+        return
+    plain = all(not isinstance(v, _Tensor | dict | list | tuple) for v in changes.values())
+    assert result is not None or not plain  # a plain value changed: read in part
+    if result is not None:
+        assert msgpack.packb(result, use_bin_type=True) == new
+        if not any(path.startswith("model") for path in changes):
+            assert result["d"][0][1] is old_tree["d"][0][1]  # the model: not decoded again
+
+
+def test_a_changed_tree_with_a_raw_float_or_garbage_is_left_to_the_whole_check() -> None:
+    old = _encoded(_training_state())
+    old_tree = msgpack.unpackb(old, raw=False)
+    keys = frozenset(f"model.w{i}" for i in range(50))
+    raw_float = old.replace(msgpack.packb(10), msgpack.packb(10.0))  # "step": 10 -> 10.0
+    assert raw_float != old
+    assert treediff.patched(old, old_tree, raw_float, keys) is None
+    assert treediff.patched(old, old_tree, old[:-3], keys) is None
+    assert treediff.patched(old, old_tree, old + b"\xc0", keys) is None
