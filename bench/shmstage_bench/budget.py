@@ -31,6 +31,8 @@ OTHER_FLOOR_S = 20.0
 MIN_SHARE_S = 8.0
 #: Kept back beyond a share for the process itself: start, state-dict build, close, result.
 PROCESS_GRACE_S = 20.0
+#: What a first save may take however little of its share setup left (< the grace).
+FIRST_SAVE_FLOOR_S = 10.0
 #: The closing bracket's measured seconds are multiplied by this (its pace drifts).
 BRACKET_MARGIN = 1.25
 #: The part of its share a method may overrun for its first repeat (a row with one steady
@@ -150,11 +152,14 @@ class RepeatPlan:
         return now + self.last_save_s <= end
 
     def save_timeout(self, now: float, save_timeout: float | None) -> float | None:
-        """One save's own limit: ``--save-timeout``, but never past the share's end."""
+        """One save's own limit: ``--save-timeout``, but not past the share's end — except
+        that a first save always gets ``FIRST_SAVE_FLOOR_S`` (out of the process's grace),
+        so that a setup that ate the share still leaves a row with one save."""
         end = self._end()
         if end is None:
             return save_timeout
-        left = max(end - now, 1.0)
+        floor = FIRST_SAVE_FLOOR_S if self.last_save_s is None else 1.0
+        left = max(end - now, floor)
         return left if save_timeout is None else min(save_timeout, left)
 
     def done(self, seconds: float, *, first: bool) -> None:

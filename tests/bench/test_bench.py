@@ -307,9 +307,11 @@ def test_a_method_with_no_time_left_is_a_row_saying_why_and_the_bracket_keeps_it
 
 def test_a_repeat_runs_only_while_the_last_save_still_fits_and_the_row_says_how_many() -> None:
     plan = budget_module.RepeatPlan(wanted=3, deadline=100.0, share_s=100.0)
-    assert plan.save_timeout(10.0, 300.0) == 90.0  # never past the share's end
+    assert plan.save_timeout(10.0, 300.0) == 90.0  # never past the share's end,
+    assert plan.save_timeout(99.0, 300.0) == budget_module.FIRST_SAVE_FLOOR_S  # but a first
     assert plan.hung_reason(90.0, 300.0) == "its share of the --budget (100 s) ended"
     plan.done(40.0, first=True)
+    assert plan.save_timeout(99.0, 300.0) == 1.0  # save has a floor
     assert plan.next_fits(50.0)
     plan.done(40.0, first=False)
     assert not plan.next_fits(90.0)
