@@ -19,6 +19,11 @@ else in the state dict are copied before ``save()`` returns, as a blocking save 
 Plain values (a float ``lr``, the scheduler's counters) are encoded when ``save()`` is
 called, so an LR scheduler's step right after it changes nothing either.
 
+A step given a closure (``optimizer.step(closure)``, as Lightning and LBFGS call it) runs
+the forward and backward inside that call, after the pre-hook: for torch.optim's own
+optimizers, which evaluate the closure before they mutate anything, the guard waits after
+the closure instead, so the copy still runs behind the forward and backward.
+
 ``zero_grad`` is left alone on purpose: gradients are never deferred, and holding
 ``zero_grad`` back would, in the usual ``zero_grad(); forward; backward; step()`` loop,
 hold the whole forward and backward behind the copy.
@@ -75,10 +80,29 @@ class Guard:
         self._forget = forget
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> tuple[Any, Any] | None:
         landing = self._in_flight()
-        if landing is not None:
+        if landing is None:
+            return None
+        if not _evaluates_closure_first(optimizer) or not _closure_of(args, kwargs):
             landing.hold_back(self._timeout)
+            return None
+        # A step given a closure (Lightning's, LBFGS's) runs forward and backward inside
+        # it: waiting here would put them behind the copy. torch.optim's optimizers call
+        # the closure before they mutate anything, so the wait goes right after it.
+        closure, timeout = _closure_of(args, kwargs), self._timeout
+
+        def closure_then_wait() -> Any:
+            try:
+                return closure()
+            finally:
+                landing.hold_back(timeout)
+
+        if len(args) > 1:  # (the optimizer, the closure, ...): torch passes the step's self
+            return (args[0], closure_then_wait, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_wait}
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor these optimizers' steps mutate in place: parameters and their state."""
@@ -157,6 +181,19 @@ class Coverage:
         """Which of ``tensors`` are covered; None when none is."""
         covered = [self.covers(tensor) for tensor in tensors]
         return covered if any(covered) else None
+
+
+def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` calls the closure before it changes anything:
+    true of every optimizer torch.optim ships; another (SAM-style, which perturbs the
+    weights first) gets the wait before its step."""
+    return type(optimizer).__module__.startswith("torch.optim.")
+
+
+def _closure_of(args: Any, kwargs: Any) -> Any:
+    """The closure a step was given; a step pre-hook's ``args`` start with the optimizer."""
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    return closure if callable(closure) else None
 
 
 def _extent(tensor: torch.Tensor) -> int:

@@ -342,3 +342,47 @@ def test_a_two_rank_fsdp2_run_saves_sharded_checkpoints_through_shmstage_and_res
         want = {step: loss for step, loss in straight[rank]["losses"] if step >= 4}
         assert dict(map(tuple, resumed[rank]["losses"])) == want
         assert resumed[rank]["sources"] in (["files"], ["memory"], ["files", "memory"])
+
+
+@pytest.mark.parametrize("given", ["by keyword", "by position"])
+def test_a_step_given_a_closure_runs_it_while_the_copy_is_in_flight_and_updates_after(
+    module_daemon: RunningDaemon, tmp_path: Path, given: str
+) -> None:
+    """Lightning steps its optimizers as ``optimizer.step(closure)``, the forward and
+    backward inside the closure: the guard must let the closure run behind the copy of a
+    ``block=False`` save and hold back only the update (a gate keeps the copy from running
+    until the test opens it)."""
+    from client_helpers import CopyGate
+    from shmstage_client import Stager, load
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, 8)
+    closure_saw_the_copy_done: list[bool] = []
+    gates: list[CopyGate] = []
+
+    def closure() -> torch.Tensor:
+        closure_saw_the_copy_done.extend(gate.opened.is_set() for gate in gates)
+        optimizer.zero_grad()
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    with Stager(module_daemon.socket) as stager:
+        stager.guard(optimizer)
+        optimizer.step(closure)  # AdamW's state exists from here
+        before = model.weight.detach().clone()
+        gate = CopyGate(stager)
+        gates.append(gate)
+        handle = stager.save({"w": model.weight}, tmp_path / "c", block=False)
+        gate.open_in(0.2)
+        if given == "by keyword":  # as Lightning's precision plugins call it
+            optimizer.step(closure=closure)
+        else:
+            optimizer.step(closure)
+        assert closure_saw_the_copy_done == [False]  # forward and backward ran meanwhile
+        assert gate.opened.is_set()  # and the update waited for the copy
+        handle.wait(60)
+    assert torch.equal(load(tmp_path / "c")["w"], before)
+    assert not torch.equal(model.weight.detach(), before)
