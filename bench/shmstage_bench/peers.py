@@ -299,8 +299,13 @@ def _peer_import(pip_name: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except ImportError as e:
-        missing = f" (missing: {e.name})" if e.name else ""
-        raise MethodUnavailable(f"not installed: pip install {pip_name}{missing}") from None
+        top = (e.name or "").partition(".")[0]
+        if top and top != pip_name.replace("-", "_"):  # the peer is there, a dependency not
+            raise MethodUnavailable(
+                f"{pip_name} is installed but its import needs the module {top!r}, which is "
+                f"not (pip install {pip_name} installs it; see scripts/fetch_peer_wheels.sh)"
+            ) from None
+        raise MethodUnavailable(f"not installed: pip install {pip_name}") from None
     except Exception as e:  # installed, but a build that does not import here
         raise MethodUnavailable(f"{pip_name} not importable: {e!r}") from None
 

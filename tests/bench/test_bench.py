@@ -353,8 +353,22 @@ def test_a_peer_that_is_not_installed_is_a_row_naming_what_to_install(
     # import fail exactly as a missing package does.
     monkeypatch.setitem(sys.modules, "dlrover", None)
     method = peers.DlroverFlash(BenchContext(device=torch.device("cpu"), root=Path("/nowhere")))
-    with pytest.raises(MethodUnavailable, match=r"^not installed: pip install dlrover"):
+    with pytest.raises(MethodUnavailable, match=r"^not installed: pip install dlrover$"):
         method.setup({"t": torch.zeros(4)})
+    monkeypatch.setitem(sys.modules, "ml_flashpoint", None)
+    method = peers.MlFlashpoint(BenchContext(device=torch.device("cpu"), root=Path("/nowhere")))
+    with pytest.raises(MethodUnavailable, match=r"^not installed: pip install ml-flashpoint$"):
+        method.setup({"t": torch.zeros(4)})
+
+
+def test_a_peer_whose_dependency_is_missing_names_that_module() -> None:
+    def imports() -> None:
+        raise ModuleNotFoundError("No module named 'grpc'", name="grpc")
+
+    with pytest.raises(
+        MethodUnavailable, match=r"^dlrover is installed but its import needs the module 'grpc'"
+    ):
+        peers._peer_import("dlrover", imports)
 
 
 # ----------------------------------------------------------------------- scenarios
