@@ -37,13 +37,14 @@ from shmstage_client.save.publish import Published
 from shmstage_client.save.staged import Staged
 from shmstage_client.save.stager import ReserveInfo, Stager
 from shmstage_client.subscribe.subscriber import NoNewVersion, Subscriber, subscribe
-from shmstage_client.subscribe.version import Version, VersionExpired
+from shmstage_client.subscribe.version import ChecksumsUnavailable, Version, VersionExpired
 
 __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "ChecksumError",
+    "ChecksumsUnavailable",
     "DaemonLost",
     "DaemonRefused",
     "DaemonUnavailable",

@@ -29,6 +29,10 @@ uid's ``name``. The rules:
   pinned waits for one to end (at most a pin's time) — the daemon never revokes a pin.
   A reader other than the owner never pins the last unpinned slot of a layout with
   several, so the owner's next publish always has a slot, or waits for its own readers.
+- *Checksums.* Each version's tensors are checksummed after it became visible, off the
+  loop (``versionsums``); a pin's answer carries them once they are there (a save's
+  come from its job, once durable, if they were not there before). Readers never wait for
+  them unless they ask to (``await_checksums``): a version is never held back for them.
 - *Access.* A channel is its owner's; the owner may share it with groups that the
   daemon's ``[server] publish_groups`` allows (``share``); members of those groups may
   subscribe and pin. Anyone else is told there is no such channel shared with them,
@@ -83,6 +87,13 @@ class Version:
     metadata: dict[str, Any]
     #: The save whose committed slot this is (``save(..., publish=)``), if any.
     job: int | None = None
+    #: Each tensor's CRC-32C, once computed after it became visible (``versionsums``),
+    #: and whether that computation ended (with checksums or without: it failed, or the
+    #: slot was refilled first).
+    checksums: list[int] | None = None
+    summed: bool = False
+    #: Told the checksums (None: there will be none) once the computation ends.
+    waiting: list[Callable[[list[int] | None], None]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -216,6 +227,47 @@ class Channels:
         for other in [c for c in self.channels.values() if c.uid == uid and c is not channel]:
             self._prune(other)  # a publisher naming a new channel each time hoards nothing
         return version, told
+
+    def checksummed(self, version: Version, checksums: list[int] | None) -> None:
+        """The computation of ``version``'s checksums ended: keep them while the version
+        still holds its bytes (a result for a refilled slot describes other bytes; a
+        released layout's pinned slot still holds them), and tell the waiting."""
+        version.summed = True
+        if checksums is not None and version.slot.version is version:
+            version.checksums = checksums
+        waiting, version.waiting = version.waiting, []
+        for tell in waiting:
+            tell(self.checksums_of(version))
+
+    def checksums_of(self, version: Version) -> list[int] | None:
+        """The version's checksums, if known now: computed after it became visible, or
+        (``save(..., publish=)``) those its job computed writing the files, once durable."""
+        if version.checksums is not None:
+            return version.checksums
+        held = version.slot.held
+        if version.job is not None and held is not None and held.job == version.job:
+            return held.checksums
+        return None
+
+    def await_checksums(
+        self, session: int, pin_id: int, tell: Callable[[list[int] | None], None]
+    ) -> list[int] | bool | None:
+        """The checksums of the version that ``session``'s pin ``pin_id`` holds: the list,
+        None when there will be none, or False when they are still being computed —
+        ``tell`` then gets them (or None) once the computation ends."""
+        pin = self.pins.get(pin_id)
+        if pin is None or pin.session != session:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"pin {pin_id} is not held by this connection (it ended, or never was); "
+                "ask for checksums of a version while it is pinned",
+            )
+        version = pin.version
+        known = self.checksums_of(version)
+        if known is not None or version.summed:
+            return known
+        version.waiting.append(tell)
+        return False
 
     def _open(self, uid: int, name: str) -> Channel:
         channel = Channel(next(self._channel_ids), uid, name)

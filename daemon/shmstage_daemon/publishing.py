@@ -11,14 +11,17 @@ published, pinned and by whom is ``channels``'s; this is the conversation.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 from shmstage import segment
 from shmstage.protocol import ErrorCode, Frame
 from shmstage_daemon import requests
-from shmstage_daemon.channels import Channels
+from shmstage_daemon.channels import Channels, Version
 from shmstage_daemon.requests import RequestError
 from shmstage_daemon.session import Handler, Session
 from shmstage_daemon.slot import SlotState
@@ -26,15 +29,26 @@ from shmstage_daemon.store import Store
 
 log = logging.getLogger("shmstaged.session")
 
+#: The longest a reader may wait for a version's checksums in one "checksums" request.
+MAX_CHECKSUM_WAIT_S: Final = 60.0
+
 
 class Publishing:
     """The channel ops of one session: what it publishes, the channel it follows, the
     ring slots it was sent, and the announcement of versions to it."""
 
-    def __init__(self, session: Session, store: Store, channels: Channels) -> None:
+    def __init__(
+        self,
+        session: Session,
+        store: Store,
+        channels: Channels,
+        checksum: Callable[[Version, int], None],
+    ) -> None:
         self._session = session
         self._store = store
         self._channels = channels
+        #: Start checksumming a version just made visible (``versionsums``), as a uid's.
+        self._checksum = checksum
         #: The subscription: its request's id (the "version" frames carry it), the channel.
         self._request = 0
         self._channel = 0
@@ -53,6 +67,7 @@ class Publishing:
             "subscribe": self.subscribe,
             "pin": self.pin,
             "unpin": self.unpin,
+            "checksums": self.checksums,
         }
 
     def close(self) -> None:
@@ -110,6 +125,7 @@ class Publishing:
             frame.id,
             {"name": body["name"], "step": version.step, "subscribers": len(told)},
         )
+        self._checksum(version, session.peer.uid)  # after the answer: never in the stall
 
     async def subscribe(self, frame: Frame) -> None:
         peer = self._session.peer
@@ -170,9 +186,9 @@ class Publishing:
             }
             if not self._sent:
                 body["tensors"] = staged.layout.to_wire()
-            held = slot.held  # a save's checksums, once its job made it durable
-            if held is not None and held.job == version.job and held.checksums is not None:
-                body["checksums"] = held.checksums
+            checksums = self._channels.checksums_of(version)
+            if checksums is not None:
+                body["checksums"] = checksums
             try:
                 await session.send("pinned", frame.id, body)
             except ValueError as exc:  # the structure does not fit one frame: nothing sent
@@ -196,3 +212,36 @@ class Publishing:
     async def unpin(self, frame: Frame) -> None:
         held = self._channels.unpin(self._session.id, frame.body["pin"])
         await self._session.send("unpinned", frame.id, {"pin": frame.body["pin"], "held": held})
+
+    async def checksums(self, frame: Frame) -> None:
+        """The checksums of a pinned version, waiting for them up to ``seconds`` (0: only
+        those known now); answered with null when there are none (yet)."""
+        seconds = frame.body.get("seconds", 0.0)
+        if not 0 <= seconds <= MAX_CHECKSUM_WAIT_S:  # NaN fails both
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"checksums.seconds {seconds!r} must be 0 to {MAX_CHECKSUM_WAIT_S:g}",
+            )
+        pin = frame.body["pin"]
+        arrived: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
+
+        def tell(checksums: list[int] | None) -> None:
+            if not arrived.done():
+                arrived.set_result(checksums)
+
+        known = self._channels.await_checksums(self._session.id, pin, tell)
+        if known is not False or not seconds:
+            await self._answer_checksums(frame.id, pin, None if known is False else known)
+            return
+        self._session.spawn(self._await_checksums(frame.id, pin, arrived, seconds))
+
+    async def _await_checksums(
+        self, request: int, pin: int, arrived: asyncio.Future[list[int] | None], seconds: float
+    ) -> None:
+        checksums = None
+        with contextlib.suppress(TimeoutError):
+            checksums = await asyncio.wait_for(asyncio.shield(arrived), seconds)
+        await self._answer_checksums(request, pin, checksums)
+
+    async def _answer_checksums(self, request: int, pin: int, checksums: list[int] | None) -> None:
+        await self._session.send("checksummed", request, {"pin": pin, "checksums": checksums})

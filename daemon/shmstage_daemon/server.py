@@ -50,6 +50,7 @@ from shmstage_daemon.status import Asking, Status
 from shmstage_daemon.store import StagedLayout, Store
 from shmstage_daemon.telemetry import Telemetry
 from shmstage_daemon.transport import Transport
+from shmstage_daemon.versionsums import VersionSums
 
 __all__ = ["Daemon", "Settings", "StartupError"]
 
@@ -90,6 +91,7 @@ class Daemon:
             lambda: self.settings.publish_gids,
             self._lease_ended,
         )
+        self.versionsums = VersionSums(self.channels)
         self.listener = Listener(settings, self._open_session, self.track)
         self._session_ids = itertools.count(1)
         self._lock: instance.InstanceLock | None = None
@@ -320,6 +322,7 @@ class Daemon:
             segment.unlink(name)
         self._writers.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self.versionsums.shutdown()
         self.segments.shutdown()
         self.owed.shutdown()
         if self._lock is not None:
@@ -452,7 +455,7 @@ class Daemon:
         session.serve(registration.ops())
         session.serve(commits.ops(), on_close=commits.close)
         session.serve(restores.ops())
-        publishing = Publishing(session, self.store, self.channels)
+        publishing = Publishing(session, self.store, self.channels, self.versionsums.start)
         session.serve(publishing.ops(), on_close=publishing.close)
         session.serve(Asking(self.status, session).ops())
         self.sessions[session.id] = session

@@ -465,6 +465,27 @@ def test_publish_may_be_large_and_its_fields_are_checked() -> None:
         daemon.next_frame()
 
 
+def test_a_pinned_versions_checksums_are_asked_for_and_answered_null_when_there_are_none() -> None:
+    client, daemon = greeted_daemon_side()
+    daemon.receive_data(client.send("checksums", 4, {"pin": 3}) + client.send(
+        "checksums", 5, {"pin": 3, "seconds": 2.5}
+    ))  # fmt: skip
+    assert [daemon.next_frame().body for _ in range(2)] == [
+        {"pin": 3}, {"pin": 3, "seconds": 2.5}
+    ]  # fmt: skip
+    daemon.receive_data(raw({"op": "checksums", "id": 6, "nfds": 0, "pin": 3, "seconds": "1"}))
+    with pytest.raises(ProtocolError, match=r"checksums\.seconds must be int/float, not str"):
+        daemon.next_frame()
+    client, daemon = greeted_daemon_side()
+    client.receive_data(daemon.send("welcome", 1, {
+        "version": PROTOCOL_VERSION, "daemon": "d", "instance": "i", "limits": {}
+    }))  # fmt: skip
+    client.next_frame()
+    for sums in ([0xDEADBEEF, 0], None):
+        client.receive_data(daemon.send("checksummed", 4, {"pin": 3, "checksums": sums}))
+        assert client.next_frame().body == {"pin": 3, "checksums": sums}
+
+
 def test_a_client_cannot_send_what_only_the_daemon_sends() -> None:
     client, _daemon = greeted_daemon_side()
     with pytest.raises(ValueError, match="client cannot send 'version'"):

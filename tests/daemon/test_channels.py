@@ -227,3 +227,32 @@ def test_channels_a_publisher_left_behind_are_forgotten_at_its_next_publish() ->
     for step, name in enumerate(("a", "b", "c")):
         world.publish(step, name=name)  # each refills the one slot: the last channel lives
     assert list(world.channels.channels) == [(UID, "c")]
+
+
+def test_a_versions_checksums_are_kept_only_while_its_slot_holds_it_and_waiters_hear_once() -> None:
+    world = World(slots=1)
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    version = world.publish(1)
+    pin = world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    heard: list[list[int] | None] = []
+    assert world.channels.await_checksums(PUBLISHER + 10, pin.id, heard.append) is False
+    with pytest.raises(StoreError, match=f"pin {pin.id} is not held by this connection"):
+        world.channels.await_checksums(READER, pin.id, heard.append)  # another's pin
+    world.channels.checksummed(version, [0xC0FFEE])
+    assert heard == [[0xC0FFEE]] and world.channels.checksums_of(version) == [0xC0FFEE]
+    assert world.channels.await_checksums(PUBLISHER + 10, pin.id, heard.append) == [0xC0FFEE]
+    assert heard == [[0xC0FFEE]], "told once, when they came"
+    world.channels.unpin(PUBLISHER + 10, pin.id)
+    late = world.publish(2)  # refills the one slot: step 1's bytes are gone
+    world.channels.checksummed(version, [1])
+    world.channels.checksummed(late, None)  # its computation failed: none, and none waited
+    pin = world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    assert world.channels.await_checksums(PUBLISHER + 10, pin.id, heard.append) is None
+
+
+def test_checksums_that_come_for_a_refilled_slot_are_dropped() -> None:
+    world = World(slots=1)
+    first = world.publish(1)
+    second = world.publish(2)
+    world.channels.checksummed(first, [7])  # computed late, over the bytes of step 2
+    assert first.checksums is None and world.channels.checksums_of(second) is None

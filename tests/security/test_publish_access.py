@@ -1,6 +1,7 @@
 """A published channel is its owner's: another real user follows it only once the owner
 shares it with a group the daemon's ``[server] publish_groups`` allows, and then only ever
-gets read-only descriptors of the publisher's slots.
+gets read-only descriptors of the publisher's slots, and the checksums of no version but
+one it pins itself.
 
 The victim publishes through a root daemon that admits both users' group and allows
 sharing with it; the attacker tries to follow the channel before it is shared (and a
@@ -28,7 +29,8 @@ except DaemonRefused as exc:
 while not os.path.exists("{flag}"):
     time.sleep(0.05)
 stager.publish({{"w": torch.full((8,), 2.0)}}, "policy", step=2, share=["{group}"])
-say("SHARED")
+own = subscribe("policy", socket="{sock}").wait(timeout=10)  # the victim's own pin
+say("SHARED", own.state(verify=True)["w"].tolist(), own.verified)
 time.sleep(3600)
 """
 
@@ -77,6 +79,11 @@ for fd in got.fds:
             say("WROTE", attempt)
         except OSError as exc:
             say("DENIED", attempt, exc.errno)
+mine = pinned["pin"]
+for pin in range(1, mine + 8):  # every pin id around: only its own answers
+    request("checksums", 100 + pin, {{"pin": pin, "seconds": 0}})
+    got = frame()
+    say("CHECKSUMS", pin == mine, got.op, got.body.get("code"))
 """
 
 
@@ -102,7 +109,8 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
         )
         assert f"uid {attacker.uid} may not follow channel" in lines[0]
         flag.touch()
-        publisher.wait_line("SHARED")
+        shared = publisher.wait_line("SHARED")
+        assert "[2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0] True" in shared, shared
         after = run_as(attacker, FOLLOW.format(owner=victim.uid, sock=daemon.socket))
         assert "READ policy 2 [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]" in after, after
         assert "REFUSED no-such-channel" in after
@@ -110,6 +118,11 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
         assert "SEGMENTS ring_fds 1 2" in written, written
         assert "MODE True" in written and "WROTE" not in written, written
         assert written.count("DENIED") == 3
+        # the daemon's checksums of a version: only of a pin this connection holds
+        answers = [line.split()[1:] for line in written.splitlines() if "CHECKSUMS" in line]
+        assert ["True", "checksummed", "None"] in answers, written
+        others = [answer for answer in answers if answer[0] == "False"]
+        assert others and all(answer[1:] == ["error", "bad_request"] for answer in others)
     finally:
         publisher.kill()
     assert "internal error" not in daemon.log()

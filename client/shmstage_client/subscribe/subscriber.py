@@ -169,6 +169,7 @@ class Subscriber:
             pin=pinned["pin"],
             expires=asked + pinned["seconds"] - PIN_MARGIN_S,
             unpin=unpin,
+            fetch_checksums=self._fetch_checksums,
             checksums=pinned.get("checksums"),
         )
 
@@ -215,6 +216,14 @@ class Subscriber:
         except SaveError:
             return False
         return bool(reply.body.get("held"))
+
+    def _fetch_checksums(self, pin: int, seconds: float) -> list[int] | None:
+        """The daemon's checksums for a pinned version, waiting up to ``seconds`` for it
+        to finish computing them (0: those it has now); None if there are none."""
+        body = {"pin": pin, "seconds": seconds}
+        reply = self._connection.call("checksums", body, timeout=seconds + REQUEST_TIMEOUT)
+        checksums = reply.body["checksums"]
+        return None if checksums is None else list(checksums)
 
     def close(self) -> None:
         """End the subscription and every pin it holds (the connection's end does)."""

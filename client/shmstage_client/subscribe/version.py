@@ -13,19 +13,32 @@ its own parameters (an inference engine): the device holds one bucket beside the
 never a second copy of the whole state. Both check afterwards that the pin still held,
 and raise ``VersionExpired`` if it ran out meanwhile (what was copied may be torn).
 
-A version published by ``save(..., publish=)`` whose checkpoint is durable comes with each
-tensor's CRC-32C as the daemon computed them writing the files: ``state()`` then copies
-through the restore wing's verified transfer (``restore.transfer``: pinned pieces,
-checksummed as they pass) and ``verified`` says so. Other versions have no checksums —
-nothing computed any — and are copied straight from the ring (``verified`` False): the pin
-is what guarantees they are whole.
+Every version's tensors are checksummed by the daemon after the version became visible,
+off the path of its publisher and of its readers (for 7 GiB ~0.2-0.7 s, depending on the
+host); a reader is woken at once and never waits for them unless it asks to. ``verify``
+says what a copy does about them:
+
+- ``"if-ready"`` (the default: what a rollout worker wants, no added latency): verify
+  when the checksums are there (they came with the pin, or the daemon has them when the
+  copy starts — one round trip to ask), otherwise copy straight from the ring, unverified.
+- ``True``: wait for them (at most ``CHECKSUM_WAIT_S``, and never past the pin's end),
+  then verify; raises ``ChecksumsUnavailable`` if none came.
+- ``False``: never verify.
+
+A verified copy goes through the restore wing's verified transfer (``restore.transfer``:
+pinned pieces, checksummed as they pass), an unverified one straight from the ring's
+registered mapping, at pinned speed; ``verified`` says which the last copy was, and a
+tensor that does not match raises ``ChecksumError`` naming it. The pin is what keeps a
+version whole against the daemon and other publishers; the checksums catch what the pin
+cannot: a process writing into a published slot (its publisher holds the slot's
+segments writable), or memory corruption.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Final, Literal, NamedTuple
 
 import torch
 
@@ -41,10 +54,31 @@ BUCKET_BYTES: Final = 256 << 20
 #: A pin counts as ended this long before the daemon's clock says so (the two clocks
 #: started at different moments of the request).
 PIN_MARGIN_S: Final = 0.5
+#: With ``verify=True``, the longest a copy waits for the daemon to finish a version's
+#: checksums.
+CHECKSUM_WAIT_S: Final = 30.0
+
+#: What a copy does about checksums (see the module).
+Verify = bool | Literal["if-ready"]
+#: Asks the daemon for a pin's checksums, waiting up to the seconds given (0: only ask).
+FetchChecksums = Callable[[int, float], "list[int] | None"]
 
 
 class VersionExpired(SaveError):
     """The pin on a version ended before its copy finished: what was read may be torn."""
+
+
+class ChecksumsUnavailable(SaveError):
+    """``verify=True`` and the daemon had no checksums for the version in time."""
+
+
+class TensorSpec(NamedTuple):
+    """One tensor of a version, as an engine allocating its parameters needs it."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
 
 
 class Version:
@@ -61,12 +95,15 @@ class Version:
         pin: int,
         expires: float,
         unpin: Callable[[int], bool],
+        fetch_checksums: FetchChecksums,
         checksums: list[int] | None = None,
     ) -> None:
         self.step = step
         self.metadata = metadata
         self._checksums = checksums
-        #: Whether the last ``state()`` checked every tensor against its CRC-32C.
+        self._fetch_checksums = fetch_checksums
+        #: Whether the last ``state()`` or ``tensors()`` checked every tensor it copied
+        #: against its CRC-32C.
         self.verified = False
         self._encoded = encoded
         self._ring = ring
@@ -96,6 +133,17 @@ class Version:
     def nbytes(self) -> int:
         return self._ring.layout.nbytes
 
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """Every tensor's (flat key, dtype, shape, bytes), in the order ``tensors()`` yields
+        them (their order in memory): what an engine needs to allocate or check its
+        parameters before any byte is copied."""
+        tensors = self._ring.layout.tensors
+        return [
+            TensorSpec(spec.key, FROM_SAFETENSORS[spec.dtype], tuple(spec.shape), spec.nbytes)
+            for spec in (tensors[index] for index in self._order())
+        ]
+
     def close(self) -> bool:
         """Unpin; True when the pin held until now. Once; later calls return False."""
         if self._closed:
@@ -106,52 +154,93 @@ class Version:
         finally:
             self._ring.done()
 
-    def state(self, device: str | torch.device = "cpu", *, verify: bool = True) -> Any:
+    def state(self, device: str | torch.device = "cpu", *, verify: Verify = "if-ready") -> Any:
         """The version's state dict on ``device``: nested as published, plain values
-        included, bit-exact. Without checksums (or ``verify=False``) every tensor is a
-        view of one buffer holding the whole version; with them, each is checked (raises
-        ChecksumError naming the first that does not match) and ``verified`` is True."""
+        included, bit-exact. ``verify``: see the module (``verified`` says whether every
+        tensor was checked; one that does not match raises ChecksumError naming it).
+        Unverified, every tensor is a view of one buffer holding the whole version."""
         device = torch.device(device)
         self._check_open()
-        if verify and self._checksums is not None:
-            tensors = self._verified(device)
+        checksums = self._checksums_for(verify, device)
+        indices = range(len(self._ring.layout.tensors))
+        if checksums is not None:
+            region = self._ring.region(self._slot)
+            tensors = self._verified(0, region.size, indices, checksums, device)
         else:
             buffer = self._copy(0, self._ring.region(self._slot).size, device)
-            tensors = dict(self._views(buffer, range(len(self._ring.layout.tensors))))
+            tensors = dict(self._views(buffer, indices))
         self._check_held()
-        self.verified = verify and self._checksums is not None
+        self.verified = checksums is not None
         return tree.unflatten(self._encoded, tensors.__getitem__)
 
-    def _verified(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _checksums_for(self, verify: Verify, device: torch.device) -> list[int] | None:
+        """The checksums to verify a copy to ``device`` against, as ``verify`` asks (see
+        the module); none for the meta device, where nothing is copied."""
+        if verify not in (True, False, "if-ready"):
+            raise ValueError(f"verify={verify!r}: give True, False or 'if-ready'")
+        if verify is False or device.type == "meta":
+            return None
+        if self._checksums is None:
+            wait = 0.0
+            if verify is True:
+                wait = max(0.0, min(CHECKSUM_WAIT_S, self._expires - time.monotonic()))
+            self._checksums = self._fetch_checksums(self._pin, wait)
+            if self._checksums is None and verify is True:
+                raise ChecksumsUnavailable(
+                    f"shmstaged had no checksums for version {self.step} within "
+                    f"{wait:.1f} s (it computes them after the version becomes visible); "
+                    "copy with verify='if-ready' to verify only when they are there"
+                )
+        count = len(self._ring.layout.tensors)
+        if self._checksums is not None and len(self._checksums) != count:
+            raise SaveError("shmstaged sent checksums that do not match the version's tensors")
+        return self._checksums
+
+    def _verified(
+        self,
+        start: int,
+        end: int,
+        indices: Iterable[int],
+        checksums: Sequence[int],
+        device: torch.device,
+    ) -> dict[str, torch.Tensor]:
+        """Tensors ``indices``, which lie in bytes ``start:end`` of the slot's mapped
+        range, on ``device``, each checked against its CRC-32C as its bytes pass."""
         region = self._ring.region(self._slot)
         specs = self._ring.layout.tensors
-        if self._checksums is None or len(self._checksums) != len(specs):
-            raise SaveError("shmstaged sent checksums that do not match the version's tensors")
         placements = [
             Placement(
-                spec.key,
-                FROM_SAFETENSORS[spec.dtype],
-                spec.shape,
-                self._offset(index),
-                spec.nbytes,
-                crc,
+                specs[index].key,
+                FROM_SAFETENSORS[specs[index].dtype],
+                specs[index].shape,
+                self._offset(index) - start,
+                specs[index].nbytes,
+                checksums[index],
             )
-            for index, (spec, crc) in enumerate(zip(specs, self._checksums, strict=True))
+            for index in indices
         ]
-        where = f"version {self.step}"
-        return transfer(MappedSource(region.address, region.size, where), placements, device)
+        source = MappedSource(region.address + start, end - start, f"version {self.step}")
+        return transfer(source, placements, device)
 
     def tensors(
-        self, device: str | torch.device = "cpu", *, bucket_bytes: int = BUCKET_BYTES
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+        verify: Verify = "if-ready",
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor as (flat key, tensor on ``device``), in the order they lie in
-        memory, copied a bucket of about ``bucket_bytes`` at a time (a larger tensor is a
-        bucket alone). Each bucket is a buffer of its own: keep what you need, drop the
-        rest. Raises VersionExpired as soon as a bucket is copied after the pin ran out."""
+        memory (``specs``), copied a bucket of about ``bucket_bytes`` at a time (a larger
+        tensor is a bucket alone). Each bucket is a buffer of its own: keep what you need,
+        drop the rest. ``verify`` as for ``state`` (decided before the first bucket; a
+        bucket that does not match raises ChecksumError before any of its tensors is
+        yielded). Raises VersionExpired as soon as a bucket is copied after the pin ran out."""
         device = torch.device(device)
         self._check_open()
+        checksums = self._checksums_for(verify, device)
+        self.verified = False
         specs = self._ring.layout.tensors
-        order = sorted(range(len(specs)), key=self._offset)
+        order = self._order()
         first = 0
         while first < len(order):
             last, start = first + 1, self._offset(order[first])
@@ -163,10 +252,17 @@ class Version:
                     break
                 end = max(end, reach)
                 last += 1
-            buffer = self._copy(start, end, device)
-            self._check_held()
-            yield from self._views(buffer, order[first:last], base=start)
+            bucket = order[first:last]
+            if checksums is not None:
+                tensors = self._verified(start, end, bucket, checksums, device)
+                self._check_held()
+                yield from ((specs[index].key, tensors[specs[index].key]) for index in bucket)
+            else:
+                buffer = self._copy(start, end, device)
+                self._check_held()
+                yield from self._views(buffer, bucket, base=start)
             first = last
+        self.verified = checksums is not None
 
     # -- copying -----------------------------------------------------------------
 
@@ -181,6 +277,10 @@ class Version:
                 "copied may mix two versions. Read versions within the pin's time "
                 "([retention] lease_seconds), or wait for the next one"
             )
+
+    def _order(self) -> list[int]:
+        """Tensor indices in the order their bytes lie in the slot."""
+        return sorted(range(len(self._ring.layout.tensors)), key=self._offset)
 
     def _offset(self, index: int) -> int:
         """Where tensor ``index`` starts in the slot's mapped range."""

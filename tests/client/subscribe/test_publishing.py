@@ -20,6 +20,7 @@ import pytest
 import torch
 from harness import RunningDaemon, start_daemon, wait_for
 from shmstage_client import (
+    ChecksumError,
     DaemonRefused,
     NoNewVersion,
     SlotUnavailable,
@@ -106,8 +107,9 @@ def test_a_pinned_version_stays_unchanged_while_newer_ones_are_published(
         with subscriber.wait(timeout=10) as first:
             for step in range(2, 8):
                 stager.publish(state_of(step), name, step=step)
-            assert uniform(first.state(), 1) and not first.verified  # nothing computed any
-            assert dict(first.tensors())["w"].eq(1).all()
+            assert uniform(first.state(verify=True), 1) and first.verified
+            assert uniform(first.state(verify=False), 1) and not first.verified
+            assert dict(first.tensors())["w"].eq(1).all() and first.verified  # had them
             with subscriber.wait(newer_than=1, timeout=10) as newest:
                 assert newest.step == 7 and uniform(newest.state(), 7)
                 assert newest.metadata == {}
@@ -242,3 +244,28 @@ def test_a_saved_and_published_version_stays_readable_while_the_daemon_retains_i
     saver.join(10)
     with subscribe(name, socket=socket) as subscriber, subscriber.wait(timeout=10) as version:
         assert version.step == 3 and uniform(version.state(), 3)
+
+
+def test_a_byte_written_into_a_published_slot_is_caught_by_a_reader_that_verifies(
+    socket: str, name: str
+) -> None:
+    """The fault is caused for real: a process holding the slot's segments writable writes
+    into a published version — here its own publisher, through the mapping it copied into,
+    after publish() returned (the pin keeps the daemon from refilling a slot, not a writer
+    from writing). The daemon checksummed the version once it was visible; a reader that
+    verifies names the tensor, one that does not copies the written byte."""
+    with Stager(socket, slots=1) as stager, subscribe(name, socket=socket) as subscriber:
+        stager.publish(state_of(5), name, step=5)
+        with subscriber.wait(timeout=10) as version:
+            assert uniform(version.state(verify=True), 5) and version.verified  # they came
+            assert stager._layouts.current is not None
+            written = stager._layouts.current.slots[0][0]  # tensor "w" in the one slot
+            assert written.shape == (256, 256) and bool((written == 5).all())
+            written[3, 17] = 99.0
+            with pytest.raises(ChecksumError, match="tensor 'w' in version 5"):
+                version.state()  # "if-ready": it has them, so it verifies
+            with pytest.raises(ChecksumError, match="tensor 'w' in version 5"):
+                list(version.tensors(bucket_bytes=16 << 10, verify=True))
+            state = version.state(verify=False)
+            assert not version.verified and state["w"][3, 17] == 99.0
+            assert bool((state["layers"][0] == 5).all())
