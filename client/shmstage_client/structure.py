@@ -125,9 +125,10 @@ class Structure:
         cannot be packed; a full flatten then says which and why)."""
         parts = list(self.parts)
         old = self.plains
-        for i, (new, before) in enumerate(zip(plains, old, strict=True)):
-            if new == before and (type(new) is not float or new.hex() == before.hex()):
-                continue
+        changed = _differing(plains, old, 0, len(plains), [])
+        changed += [i for i in self._floats if plains[i].hex() != old[i].hex()]  # -0.0
+        for i in sorted(set(changed)):
+            new = plains[i]
             try:
                 parts[2 * i + 1] = msgpack.packb(_encode_plain(new), use_bin_type=True)
             except (OverflowError, TypeError, ValueError):
@@ -336,6 +337,19 @@ def _collect_plains(node: Any, plains: list[Any]) -> None:
             plains.append(value)
         elif kind == "container":
             _collect_plains(value, plains)
+
+
+def _differing(new: list[Any], old: list[Any], start: int, end: int, out: list[int]) -> list[int]:
+    """Where ``new[start:end]`` differs from ``old``'s (``==``), found by halving: a few
+    slice comparisons in C when one learning rate changed among 100,000 plain values."""
+    if new[start:end] == old[start:end]:
+        return out
+    if end - start <= 8:
+        out.extend(i for i in range(start, end) if new[i] != old[i])
+        return out
+    middle = (start + end) // 2
+    _differing(new, old, start, middle, out)
+    return _differing(new, old, middle, end, out)
 
 
 def _encode_plain(value: Any) -> Any:

@@ -91,7 +91,7 @@ class Layouts:
         validation (milliseconds at 10,000 tensors).
         """
         current = self.current
-        if current is not None and current.whole and current.signature == flat.signature:
+        if current is not None and current.whole and flat.matches(current.signature):
             return current
         layout = flat.layout()
         if current is None or current.layout != layout or not current.whole:
