@@ -177,15 +177,14 @@ def sweep_dead(root: str | os.PathLike[str] = DEFAULT_ROOT) -> list[Path]:
 
 
 def _entries(version: Version) -> list[_Entry]:
-    """Every tensor's key, dtype and shape, in the order they lie in the slot. Read as
-    tensors on the meta device: nothing is copied."""
+    """Every tensor's key, dtype and shape, in the order they lie in the slot (``specs``:
+    nothing is copied)."""
     entries = []
-    for key, tensor in version.tensors("meta", bucket_bytes=1 << 62):
-        dtype = safetensors_name(tensor.dtype)
-        if dtype is None:  # a published tensor always has a safetensors dtype
-            raise ValueError(f"tensor {key!r} has dtype {tensor.dtype}, which safetensors lacks")
-        nbytes = tensor.numel() * tensor.element_size()
-        entries.append(_Entry(key, dtype, tuple(tensor.shape), nbytes))
+    for key, dtype, shape, nbytes in version.specs:
+        name = safetensors_name(dtype)
+        if name is None:  # a published tensor always has a safetensors dtype
+            raise ValueError(f"tensor {key!r} has dtype {dtype}, which safetensors lacks")
+        entries.append(_Entry(key, name, shape, nbytes))
     return entries
 
 

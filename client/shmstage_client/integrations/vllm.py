@@ -57,16 +57,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import torch
 
 from shmstage_client.errors import SaveError
 from shmstage_client.subscribe.subscriber import Subscriber, subscribe
 from shmstage_client.subscribe.version import BUCKET_BYTES
-
-if TYPE_CHECKING:
-    from shmstage_client.subscribe.version import Version
 
 #: The name the backend registers under: ``--weight-transfer-config '{"backend": "shmstage"}'``.
 BACKEND: Final = "shmstage"
@@ -148,7 +145,7 @@ class WeightReceiver:
                 )
             landed = _Counted(version.tensors(self.device, bucket_bytes=self.bucket_bytes))
             load_weights(landed)
-            expected = _count(version)
+            expected = len(version.specs)
             if not landed.exhausted or landed.count != expected:
                 raise IncompleteUpdate(
                     f"load_weights took {landed.count} of the {expected} tensors of step "
@@ -190,11 +187,6 @@ class _Counted:
             self.count += 1
             yield item
         self.exhausted = True
-
-
-def _count(version: Version) -> int:
-    """How many tensors the version holds (read on the meta device: nothing copied)."""
-    return sum(1 for _ in version.tensors("meta", bucket_bytes=1 << 62))
 
 
 # -- vLLM ------------------------------------------------------------------------------

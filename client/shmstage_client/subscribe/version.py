@@ -10,7 +10,8 @@ into one buffer on the device (through the ring's CUDA registration: pinned spee
 every tensor is a view of that buffer. ``tensors(device, bucket_bytes=...)`` streams it
 instead, a bucket of consecutive tensors at a time, for a consumer that loads each into
 its own parameters (an inference engine): the device holds one bucket beside the model,
-never a second copy of the whole state. Both check afterwards that the pin still held,
+never a second copy of the whole state; ``specs`` lists what it will yield (key, dtype,
+shape, bytes, in that order) before a byte is copied, for an engine to check or allocate. Both check afterwards that the pin still held,
 and raise ``VersionExpired`` if it ran out meanwhile (what was copied may be torn).
 
 Every version's tensors are checksummed by the daemon after the version became visible,

@@ -204,7 +204,13 @@ def test_tensors_stream_in_buckets_of_their_own_and_a_new_structure_starts_a_new
         stager.publish(state_of(3), name, step=3)
         with subscriber.wait(timeout=10) as version:
             streamed = list(version.tensors(bucket_bytes=16 << 10))
+            specs = version.specs
         assert [key for key, _ in streamed] == ["w", "layers.0", "layers.1"]
+        assert specs == [
+            ("w", torch.float32, (256, 256), 256 * 256 * 4),
+            ("layers.0", torch.int64, (1000,), 8000),
+            ("layers.1", torch.float32, (7,), 28),
+        ], "in the order tensors() yields them"
         assert all(bool((tensor == 3).all()) for _, tensor in streamed)
         storages = {tensor.untyped_storage().data_ptr() for _, tensor in streamed}
         assert len(storages) == 2  # w alone (over the bucket); the two small ones together
