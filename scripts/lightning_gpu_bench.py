@@ -13,7 +13,8 @@ two plain steps (with ``block=False`` the next optimizer step waits for the rest
 The first save of each method is reported apart (shmstage makes and pins its segments then).
 Printed per method: the median plain step, the median cost per checkpoint (and each), the
 first save's cost, the seconds ``teardown`` waited for writes still running, and each
-method's cost over the default's.
+method's cost over the default's. On a GPU it first checks ``ShmStageFSDPStrategy`` (FSDP1,
+which torch runs on no CPU): a sharded save through shmstage and a bit-exact resume.
 
     # one H100, under 8 minutes; starts its own shmstaged on a private socket under /tmp:
     PYTHONPATH=.:daemon:client:bench python3 scripts/lightning_gpu_bench.py --json lightning.json
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="where checkpoints go (default: /var/tmp)")
     parser.add_argument("--socket", default=None, help="a running shmstaged (default: start one)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--no-fsdp1-check", action="store_true",
+        help="skip the ShmStageFSDPStrategy save-and-resume check (GPU only)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.tiny:
         args.dim, args.layers, args.heads, args.kv_heads, args.ffn = 64, 2, 4, 2, 128
@@ -185,6 +190,64 @@ def run_method(
     return row
 
 
+def fsdp1_check(out: Path, socket: str | None) -> dict[str, Any]:
+    """``ShmStageFSDPStrategy`` (FSDP1, sharded state dicts) at world size 1 on the GPU, the
+    one place it can run (torch refuses FSDP1 on a CPU): save at step 3 through shmstage's
+    DCP writer, resume a new Trainer from it, compare the losses bit for bit."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from shmstage_client.dcp import MARKER_NAME
+    from shmstage_client.integrations.lightning import ShmStageFSDPStrategy
+    from torch.utils.data import DataLoader
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+            )
+            self.losses: list[tuple[int, str]] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            g = torch.Generator(device="cuda").manual_seed(self.global_step)
+            x = torch.randn(16, 64, device="cuda", generator=g)
+            loss = torch.nn.functional.mse_loss(self.net(x), x.sum(1, keepdim=True).sin())
+            self.losses.append((self.global_step, loss.item().hex()))
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(list(range(100)), batch_size=1)
+
+    directory = out / "fsdp1"
+
+    def fit(ckpt_path: str | None) -> list[tuple[int, str]]:
+        module = Tiny()
+        trainer = pl.Trainer(
+            accelerator="gpu", devices=1, strategy=ShmStageFSDPStrategy(socket=socket),
+            max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            deterministic=True,
+            callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)],
+        )  # fmt: skip
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module.losses
+
+    try:
+        straight = fit(None)
+        saved = directory / "epoch=0-step=3.ckpt"
+        marker = (saved / MARKER_NAME).is_file()
+        resumed = fit(str(saved))
+        same = resumed == [pair for pair in straight if pair[0] >= 3]
+        return {"ok": marker and same, "marker": marker, "losses_equal": same}
+    except Exception as exc:  # a row, never a crash of the bench
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -206,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             f"steps; {args.saves} saves per method",
             flush=True,
         )
+        fsdp1 = None
+        if device == "cuda" and not args.no_fsdp1_check:
+            fsdp1 = fsdp1_check(out, socket)
+            print(f"ShmStageFSDPStrategy (FSDP1, sharded) save and resume: {fsdp1}", flush=True)
         rows = []
         for method in args.methods:
             row = run_method(method, args, device, out, socket)
@@ -220,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['teardown_wait_s'] or 0.0:.1f} s | all {every}",
                 flush=True,
             )
-        summary: dict[str, Any] = {"device": card, "config": vars(args), "rows": rows}
+        summary: dict[str, Any] = {
+            "device": card, "config": vars(args), "rows": rows, "fsdp1_check": fsdp1,
+        }  # fmt: skip
         base = next((r["save_cost_s"] for r in rows if r["method"] == "default"), None)
         if base:
             ratios = {

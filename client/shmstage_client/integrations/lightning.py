@@ -421,11 +421,15 @@ class _ShmStageCheckpointIO:
     staging slots (default: the daemon's; two let a save fill one while the previous
     checkpoint streams from the other — ``save_last=True`` saves twice per checkpoint, so
     give it three). ``block=False`` returns from a save once the copy of the optimizers'
-    parameters and state has started, as ``Stager.save(block=False)`` does; the guard is put
-    on every optimizer that steps in this process once the plugin exists (a global step
-    pre-hook notes them; the Trainer's optimizers are not known to a CheckpointIO), and the
-    saves before the first step are blocking. ``source``: where loads read ("auto": the
-    daemon's memory when it holds exactly that checkpoint, else the files). ``trust_others``:
+    parameters and state has started, as ``Stager.save(block=False)`` does: the copy runs
+    behind the next step's forward and backward (Lightning steps with a closure, and the
+    guard waits after it, before the update). The guard is put on every optimizer that
+    steps in this process once the plugin exists (a global step pre-hook notes them: a
+    CheckpointIO is never told the Trainer's optimizers); saves before the first step are
+    blocking. A trainer killed before such a copy reached the daemon leaves no checkpoint
+    of that save (``last.ckpt`` then still names the one before). ``source``: where loads
+    read ("auto": the daemon's memory when it holds exactly that checkpoint, else the
+    files). ``trust_others``:
     load checkpoints that were not written for this user (another uid's, or in a directory
     others may change); by default they are refused, as ``latest()`` refuses them.
 
