@@ -279,11 +279,20 @@ def sweep(directory: Path) -> None:
         return
     for name in names:
         for marker in (_REPLACING, _REMOVING):
-            if name.startswith(".") and marker in name:
+            if name.startswith(".") and marker in name and _ours(directory / name):
                 pid = name.rsplit(marker, 1)[1].split("-", 1)[0]
                 if pid.isdigit() and not _alive(int(pid)):
                     with contextlib.suppress(OSError):
                         _delete(directory / name)
+
+
+def _ours(path: Path) -> bool:
+    """Whether ``path`` is this user's: another user's entries, even named like ours, are
+    neither installed nor deleted."""
+    try:
+        return os.lstat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def finish_replacements(path: Path) -> None:
@@ -303,12 +312,13 @@ def finish_replacements(path: Path) -> None:
         if not name.startswith(prefix):
             continue
         pid, _, number = name[len(prefix) :].partition("-")
-        if pid.isdigit() and number.isdigit() and not _alive(int(pid)):
+        leftover = path.parent / name
+        if pid.isdigit() and number.isdigit() and _ours(leftover) and not _alive(int(pid)):
             try:  # the newest: a complete one's manifest was written last
-                written = os.stat(path.parent / name / MANIFEST_NAME).st_mtime_ns
+                written = os.stat(leftover / MANIFEST_NAME).st_mtime_ns
             except OSError:
                 written = -1  # not complete: never installed
-            found.append((written, int(number), path.parent / name))
+            found.append((written, int(number), leftover))
     found.sort()
     for *_, leftover in found[:-1]:
         with contextlib.suppress(OSError):
@@ -511,7 +521,10 @@ class _ShmStageCheckpointIO:
         if self._finisher is not None:
             self._finisher.drain(WAIT_TIMEOUT_S)
             self._finisher.raise_errors()
-        finish_replacements(target)
+        try:
+            finish_replacements(target)
+        except OSError as exc:  # a directory this process may not change: read what is there
+            log.warning("shmstage: could not finish a replacement of %s: %s", target, exc)
         resolved = Path(os.path.realpath(target))
         if not resolved.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")

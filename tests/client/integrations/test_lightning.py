@@ -386,3 +386,33 @@ def test_a_step_given_a_closure_runs_it_while_the_copy_is_in_flight_and_updates_
         handle.wait(60)
     assert torch.equal(load(tmp_path / "c")["w"], before)
     assert not torch.equal(model.weight.detach(), before)
+
+
+def test_a_replacement_a_killed_trainer_left_durable_is_installed_by_the_next_load(
+    module_daemon: RunningDaemon, tmp_path: Path
+) -> None:
+    """A trainer killed after its new ``last.ckpt`` was durable but before the exchange
+    leaves it under its hidden name (its pid in it): the next load installs it, newer than
+    what ``last.ckpt`` names. One older than ``last.ckpt`` (what a kill right after the
+    exchange leaves there) is never installed."""
+    from shmstage_client import Stager
+    from shmstage_client.integrations.lightning import ShmStageCheckpointIO, pack
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process has now
+    last = tmp_path / "last.ckpt"
+
+    def save(step: int, path: Path) -> None:
+        with Stager(module_daemon.socket) as stager:
+            state = {"global_step": step, "state_dict": {"w": torch.full((2,), step)}}
+            stager.save(pack(state), path).wait(60)
+
+    save(1, last)
+    save(2, tmp_path / f".last.ckpt.shmstage-replacing-{dead.pid}-4")
+    io = ShmStageCheckpointIO(module_daemon.socket)
+    assert io.load_checkpoint(last)["global_step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+    save(0, tmp_path / f".last.ckpt.shmstage-replacing-{dead.pid}-5")  # older than step 2's
+    os.utime(tmp_path / f".last.ckpt.shmstage-replacing-{dead.pid}-5" / MANIFEST_NAME, (1, 1))
+    assert io.load_checkpoint(last)["global_step"] == 2
