@@ -51,6 +51,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgpack
+
 from shmstage.protocol import ErrorCode
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.retention import RetentionPolicy
@@ -85,6 +87,9 @@ class Version:
     slot: Slot
     tree: Any
     metadata: dict[str, Any]
+    #: ``tree`` as msgpack, as it came: sent to readers as it is, and only when it is not
+    #: the tree a reader's connection was sent last (``publishing``).
+    packed_tree: bytes = b""
     #: The save whose committed slot this is (``save(..., publish=)``), if any.
     job: int | None = None
     #: Each tensor's CRC-32C, once computed after it became visible (``versionsums``),
@@ -188,6 +193,7 @@ class Channels:
         *,
         tree: Any,
         metadata: dict[str, Any],
+        packed_tree: bytes = b"",
         share: Collection[int] = (),
         job: int | None = None,
     ) -> tuple[Version, list[Subscription]]:
@@ -217,7 +223,15 @@ class Channels:
         if channel is None:
             channel = self._open(uid, name)
         version = Version(
-            self._store.next_id(), step, channel.id, staged, slot, tree, metadata, job
+            self._store.next_id(),
+            step,
+            channel.id,
+            staged,
+            slot,
+            tree,
+            metadata,
+            packed_tree or msgpack.packb(tree, use_bin_type=True),
+            job,
         )
         slot.version = version
         channel.versions = [v for v in channel.versions if self.current(v)] + [version]

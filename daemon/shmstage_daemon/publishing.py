@@ -55,6 +55,8 @@ class Publishing:
         #: The ring this connection was sent (a layout id), and the slots of it it has.
         self._ring: int | None = None
         self._sent: set[int] = set()
+        #: The last version tree this connection was sent (packed): not sent again.
+        self._tree: bytes | None = None
         #: The newest step to announce, the last announced, and whether a send is under
         #: way: a reader that is slow to read is told the newest, never a backlog.
         self._newest: int | None = None
@@ -91,6 +93,9 @@ class Publishing:
                     "after the save",
                 )
             tree, metadata = held.tree, held.metadata
+            packed_tree = b""  # packed again from the decoded tree, unless the commit's is
+            if staged.tree is not None and staged.tree[1] is tree:
+                packed_tree = staged.tree[0]
         else:
             if slot.state is not SlotState.FILLING or slot.holder != session.id:
                 raise RequestError(
@@ -100,8 +105,10 @@ class Publishing:
                 )
             if "tree" not in body:
                 raise RequestError(ErrorCode.BAD_REQUEST, "publish of a filled slot lacks tree")
-            tree, metadata = body["tree"], body.get("metadata", {})
-            requests.check_tree(tree, staged.layout)  # what its readers will rebuild
+            metadata = body.get("metadata", {})
+            # what its readers will rebuild, checked as a commit's: once per layout and tree
+            packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
+            staged.tree = (packed_tree, tree)
             if len(metadata) > requests.MAX_METADATA_ENTRIES:
                 raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata has too many entries")
             requests.check_json(metadata, "publish.metadata")
@@ -113,6 +120,7 @@ class Publishing:
             slot,
             tree=tree,
             metadata=metadata,
+            packed_tree=packed_tree,
             share=share,
             job=body.get("job"),
         )
@@ -181,16 +189,18 @@ class Publishing:
                 "slot": slot.serial,
                 "segments": len(slot.segments) if send else 0,
                 "sizes": list(staged.layout.packing().sizes),
-                "tree": version.tree,
                 "metadata": version.metadata,
             }
             if not self._sent:
                 body["tensors"] = staged.layout.to_wire()
+            tree = version.packed_tree
+            prepacked = None if tree == self._tree else {"tree": tree}
             checksums = self._channels.checksums_of(version)
             if checksums is not None:
                 body["checksums"] = checksums
             try:
-                await session.send("pinned", frame.id, body)
+                await session.send("pinned", frame.id, body, prepacked=prepacked)
+                self._tree = tree
             except ValueError as exc:  # the structure does not fit one frame: nothing sent
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED,

@@ -204,11 +204,19 @@ class Session:
     # -- answering ---------------------------------------------------------------------
 
     async def send(
-        self, op: str, request_id: int, body: dict[str, Any], fds: Sequence[int] = ()
+        self,
+        op: str,
+        request_id: int,
+        body: dict[str, Any],
+        fds: Sequence[int] = (),
+        *,
+        prepacked: Mapping[str, bytes] | None = None,
     ) -> None:
+        """``prepacked``: fields whose msgpack encoding the daemon kept (a version's tree)."""
         if not self.open:
             return
-        await self.transport.send(self.conn.send(op, request_id, body, len(fds)), fds)
+        frame = self.conn.send(op, request_id, body, len(fds), prepacked=prepacked)
+        await self.transport.send(frame, fds)
 
     async def send_error(
         self, request_id: int, code: ErrorCode, message: str, *, fatal: bool = False

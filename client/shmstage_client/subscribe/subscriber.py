@@ -74,6 +74,8 @@ class Subscriber:
             body["owner"] = owner if isinstance(owner, int) else pwd.getpwnam(owner).pw_uid
         self._events: RequestHandle | None = None
         self._ring: Ring | None = None
+        #: The last version tree the daemon sent: it sends one again only when it differs.
+        self._tree: Any = None
         try:
             self._events = self._connection.start("subscribe", body)
             reply = self._events.next(REQUEST_TIMEOUT)
@@ -151,6 +153,10 @@ class Subscriber:
             pinned = reply.body
             unpin = self._unpin
             try:
+                if "tree" in pinned:
+                    self._tree = pinned["tree"]
+                elif self._tree is None:
+                    raise DaemonLost("shmstaged pinned a version without its tree, never sent")
                 ring = self._ring_for(pinned)
                 self._receive(handle, ring, pinned)
             except BaseException:
@@ -163,7 +169,7 @@ class Subscriber:
         return Version(
             step=pinned["step"],
             metadata=pinned["metadata"],
-            encoded=pinned["tree"],
+            encoded=self._tree,
             ring=ring,
             slot=pinned["slot"],
             pin=pinned["pin"],

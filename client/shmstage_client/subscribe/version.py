@@ -11,8 +11,9 @@ every tensor is a view of that buffer. ``tensors(device, bucket_bytes=...)`` str
 instead, a bucket of consecutive tensors at a time, for a consumer that loads each into
 its own parameters (an inference engine): the device holds one bucket beside the model,
 never a second copy of the whole state; ``specs`` lists what it will yield (key, dtype,
-shape, bytes, in that order) before a byte is copied, for an engine to check or allocate. Both check afterwards that the pin still held,
-and raise ``VersionExpired`` if it ran out meanwhile (what was copied may be torn).
+shape, bytes, in that order) before a byte is copied, for an engine to check or allocate.
+Both check afterwards that the pin still held, and raise ``VersionExpired`` if it ran
+out meanwhile (what was copied may be torn).
 
 Every version's tensors are checksummed by the daemon after the version became visible,
 off the path of its publisher and of its readers (for 7 GiB ~0.2-0.7 s, depending on the
