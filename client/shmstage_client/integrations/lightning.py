@@ -295,13 +295,13 @@ def _ours(path: Path) -> bool:
         return False
 
 
-def finish_replacements(path: Path) -> None:
+def finish_replacements(path: Path, complete: str = MANIFEST_NAME) -> None:
     """Install the newest complete replacement of ``path`` that a dead process saved but
     did not live to install (killed between the save being durable and the exchange): its
     checkpoint is newer than what ``path`` names, and the process meant it to be there.
     One killed right after the exchange left the *older* checkpoint under that name (or
     part of it, its manifest deleted first): that one is older than ``path``'s, and only
-    deleted."""
+    deleted. ``complete``: the file a complete checkpoint has (a DCP one: its marker)."""
     prefix = f".{path.name}{_REPLACING}"
     found: list[tuple[int, Path]] = []
     try:
@@ -315,7 +315,7 @@ def finish_replacements(path: Path) -> None:
         leftover = path.parent / name
         if pid.isdigit() and number.isdigit() and _ours(leftover) and not _alive(int(pid)):
             try:  # the newest: a complete one's manifest was written last
-                written = os.stat(leftover / MANIFEST_NAME).st_mtime_ns
+                written = os.stat(leftover / complete).st_mtime_ns
             except OSError:
                 written = -1  # not complete: never installed
             found.append((written, int(number), leftover))
@@ -324,7 +324,7 @@ def finish_replacements(path: Path) -> None:
         with contextlib.suppress(OSError):
             _delete(leftover)
     try:
-        current = os.stat(path / MANIFEST_NAME).st_mtime_ns
+        current = os.stat(path / complete).st_mtime_ns
     except OSError:
         current = -1
     if found and found[-1][0] > current:  # not the older one an exchange put aside
@@ -348,6 +348,16 @@ def _alive(pid: int) -> bool:
     return status.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
+class _Waiting:
+    """A future (DCP's ``async_save``) waited for as a ``SaveHandle`` is."""
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self.future.result(timeout)
+
+
 class _Finisher:
     """What happens after a save, in save order, on one background thread: wait until it
     is durable, install a replacement, run removals that waited for it.
@@ -368,12 +378,16 @@ class _Finisher:
         with self._lock:
             return self.pending.get(path, 0) > 0
 
-    def after_save(self, handle: SaveHandle, path: Path, replacing: Path | None) -> None:
+    def after_save(
+        self, handle: SaveHandle | _Waiting, path: Path, replacing: Path | None
+    ) -> None:
         with self._lock:
             self.pending[path] = self.pending.get(path, 0) + 1
         self._pool.submit(self._settle, handle, path, replacing)
 
-    def _settle(self, handle: SaveHandle, path: Path, replacing: Path | None) -> None:
+    def _settle(
+        self, handle: SaveHandle | _Waiting, path: Path, replacing: Path | None
+    ) -> None:
         try:
             handle.wait(WAIT_TIMEOUT_S)
             if replacing is not None:
@@ -731,8 +745,11 @@ class _ShmStageSharded:
     node's shmstaged, the directory published atomically once every rank's part is durable
     — and the rest of the dict is one more (pickled) object of that same DCP checkpoint. A
     path that exists (``last.ckpt``) is saved beside it and exchanged with it by rank 0.
-    ``dcp.save`` returns once the checkpoint is durable: the stall is the whole write
-    (these strategies' saves are synchronous in Lightning too). Loads read each rank's file from
+    The save is ``dcp.async_save`` on a gloo group of its own: it returns once every
+    rank's shards are copied into shared memory; the exchange (rank 0), removals asked for
+    meanwhile, the next save, a load and ``teardown`` wait for it behind one background
+    thread, as ``ShmStageCheckpointIO`` does (Lightning's own saves here are synchronous).
+    Loads read each rank's file from
     its daemon's memory when it holds it (``last_sources``: rank file -> "memory"/"files").
     Checkpoints of the strategy's other mode (full state dicts) go through its CheckpointIO
     as before — give it a ``ShmStageCheckpointIO``.
@@ -755,6 +772,9 @@ class _ShmStageSharded:
         self.shmstage_source = source
         self._shm_slots = slots
         self._shm_writer: Any = None
+        self._shm_group: Any = None
+        self._shm_finisher: _Finisher | None = None
+        self._shm_swept: set[Path] = set()
         self.last_sources: dict[int, str] = {}
 
     def _shm_sharded(self) -> bool:
@@ -777,7 +797,11 @@ class _ShmStageSharded:
         path = _local_path(self.broadcast(os.fspath(filepath)))
         target = path
         if self.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.parent.exists():
+                path.parent.mkdir(parents=True)
+            elif path.parent not in self._shm_swept:
+                sweep(path.parent)
+            self._shm_swept.add(path.parent)
             if os.path.lexists(path):
                 target = _hidden(path, _REPLACING)
         target = Path(self.broadcast(str(target)))
@@ -789,15 +813,34 @@ class _ShmStageSharded:
         state[PICKLED] = rest.getvalue()
         if self._shm_writer is None:
             self._shm_writer = ShmStageWriter(socket=self.shmstage_socket, slots=self._shm_slots)
-        dcp.save(state, checkpoint_id=target, storage_writer=self._shm_writer)
-        if self.is_global_zero and target != path:
-            install(target, path)
-        self.barrier("ShmStage sharded save")
+            self._shm_group = torch.distributed.new_group(backend="gloo")
+            self._shm_finisher = _Finisher()
+        finisher = self._shm_finisher
+        finisher.drain(WAIT_TIMEOUT_S)  # one DCP save in flight per writer
+        finisher.raise_errors()
+        future = dcp.async_save(
+            state, checkpoint_id=target, storage_writer=self._shm_writer,
+            process_group=self._shm_group,
+        )  # fmt: skip
+        # Rank 0's future is done once every rank's part is durable and the checkpoint is
+        # published (DCP's finish): only then may it take the place of what ``path`` held.
+        finisher.after_save(
+            _Waiting(future), path, target if self.is_global_zero and target != path else None
+        )
         return None
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         from shmstage_client.dcp import MARKER_NAME, ShmStageReader
 
+        if self._shm_finisher is not None:
+            self._shm_finisher.drain(WAIT_TIMEOUT_S)
+            self._shm_finisher.raise_errors()
+        if self.is_global_zero:
+            target = _local_path(checkpoint_path)
+            try:
+                finish_replacements(target, MARKER_NAME)
+            except OSError as exc:
+                log.warning("shmstage: could not finish a replacement of %s: %s", target, exc)
         path = _local_path(self.broadcast(os.fspath(checkpoint_path)))
         if not (path / MARKER_NAME).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
@@ -818,16 +861,28 @@ class _ShmStageSharded:
         raise NotImplementedError
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove(_local_path(filepath))
+        if not self.is_global_zero:
+            return
+        target, finisher = _local_path(filepath), self._shm_finisher
+        if finisher is not None and finisher.busy(target):
+            finisher.later(lambda: remove(target))
+        else:
+            remove(target)
 
     def teardown(self) -> None:
         writer, self._shm_writer = self._shm_writer, None
+        finisher, self._shm_finisher = self._shm_finisher, None
         try:
-            super().teardown()  # type: ignore[misc]
+            if finisher is not None:
+                finisher.drain(WAIT_TIMEOUT_S)
+                finisher.close()
+                finisher.raise_errors()
         finally:
-            if writer is not None:
-                writer.close()
+            try:
+                super().teardown()  # type: ignore[misc]
+            finally:
+                if writer is not None:
+                    writer.close()
 
 
 class _ModelParallelSharded(_ShmStageSharded):
