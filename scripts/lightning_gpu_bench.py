@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--save-every", type=int, default=20)
-    parser.add_argument("--saves", type=int, default=4, help="per method, the first included")
+    parser.add_argument("--saves", type=int, default=3, help="per method, the first included")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the first save")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--slots", type=int, default=2, help="shmstage staging slots")
