@@ -340,6 +340,7 @@ def format_status(status: dict[str, Any], *, bars: bool = False, width: int = 10
             )
         )
     out.extend(_memory_lines(s.get("memory")))
+    out.extend(_channel_lines(s.get("channels")))
     out.append("")
     jobs = s.get("jobs", [])
     out.append(f"JOBS IN FLIGHT ({len(jobs)})")
@@ -400,6 +401,36 @@ def _memory_lines(memory: dict[str, Any] | None) -> list[str]:
                         c.get("directory", "?"),
                     ]
                     for c in checkpoints
+                ],
+            )
+        )
+    return out
+
+
+def _channel_lines(channels: list[dict[str, Any]] | None) -> list[str]:
+    """Published channels (``Stager.publish``): each one's newest step, the versions and
+    slots that hold them, readers' pins and subscribers, and the groups it is shared with."""
+    if channels is None:  # a daemon from before channels were shown
+        return []
+    out = ["", f"CHANNELS ({len(channels)})"]
+    if channels:
+        out.extend(
+            _table_lines(
+                ["UID", "STEP", "VERSIONS", "SLOTS", "SIZE", "PINS", "SUBSCRIBERS", "SHARED",
+                 "NAME"],
+                [
+                    [
+                        str(c["uid"]),
+                        "-" if c.get("newest_step") is None else str(c["newest_step"]),
+                        str(c.get("versions", 0)),
+                        str(c.get("slots", 0)),
+                        format_size(c.get("bytes", 0)),
+                        str(c.get("pins", 0)),
+                        str(c.get("subscribers", 0)),
+                        ",".join(str(gid) for gid in c.get("shared_gids", [])) or "-",
+                        c.get("name", "?"),
+                    ]
+                    for c in channels
                 ],
             )
         )

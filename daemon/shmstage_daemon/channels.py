@@ -283,6 +283,23 @@ class Channels:
         version.waiting.append(tell)
         return False
 
+    def summary(self, channel: Channel) -> dict[str, Any]:
+        """What ``shmstage status`` shows of a channel, as plain data (``status`` decides
+        who sees it)."""
+        newest = self.newest(channel)
+        return {
+            "uid": channel.uid,
+            "name": channel.name,
+            "newest_step": None if newest is None else newest.step,
+            "versions": len(channel.versions),
+            "slots": 0 if newest is None else len(newest.staged.slots),
+            "bytes": 0 if newest is None else newest.staged.layout.nbytes,
+            "checksummed": newest is not None and self.checksums_of(newest) is not None,
+            "pins": sum(1 for pin in self.pins.values() if pin.version.channel == channel.id),
+            "subscribers": len(channel.subscribers),
+            "shared_gids": sorted(channel.shared),
+        }
+
     def _open(self, uid: int, name: str) -> Channel:
         channel = Channel(next(self._channel_ids), uid, name)
         self.channels[(uid, name)] = channel

@@ -142,6 +142,7 @@ class Daemon:
             self.stats,
             self._identity,
             self.started,
+            self.channels,
         )
         #: Writers still running when the daemon had to go (storage hung): ``main`` exits
         #: without joining them.

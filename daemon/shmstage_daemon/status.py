@@ -1,9 +1,11 @@
 """What ``shmstage status`` and the metrics show, and to whom.
 
-Root, the daemon's own user and the operator groups see every user's clients, jobs and
-errors; anyone else sees its own figures only (``sees_everyone``): uids, pids, checkpoint
-paths and even the node's sums of other users are theirs. Everything here is read on the
-event loop and returned as plain data (it travels as msgpack).
+Root, the daemon's own user and the operator groups see every user's clients, jobs,
+channels and errors; anyone else sees its own figures only (``sees_everyone``): uids,
+pids, checkpoint paths, channel names and even the node's sums of other users are theirs
+(a channel shared with a user is still its owner's: it is not listed to the user).
+Everything here is read on the event loop and returned as plain data (it travels as
+msgpack).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from shmstage.protocol import ErrorCode, Frame
 from shmstage.units import format_size
 from shmstage_daemon.admission import Peer
+from shmstage_daemon.channels import Channels
 from shmstage_daemon.config import measure_shm
 from shmstage_daemon.jobs import JobRecord, Jobs
 from shmstage_daemon.requests import RequestError
@@ -40,6 +43,7 @@ class Status:
         stats: dict[str, int],
         identity: Callable[[], dict[str, Any]],
         started: float,
+        channels: Channels,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -51,6 +55,7 @@ class Status:
         #: The daemon's own part of the status (version, instance, socket, journal...).
         self._identity = identity
         self._started = started
+        self._channels = channels
 
     def sees_everyone(self, peer: Peer) -> bool:
         """Root, the daemon's own user and the operator groups see every user's clients,
@@ -105,6 +110,11 @@ class Status:
                     "running_seconds": now - r.started,
                 }
                 for jid, r in jobs.items()
+            ],
+            "channels": [
+                self._channels.summary(channel)
+                for channel in list(self._channels.channels.values())
+                if only is None or channel.uid == only
             ],
             "recent": self._telemetry.recent(uid=only),
             "errors": self._telemetry.recent_errors(uid=only),

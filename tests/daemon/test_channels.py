@@ -256,3 +256,23 @@ def test_checksums_that_come_for_a_refilled_slot_are_dropped() -> None:
     second = world.publish(2)
     world.channels.checksummed(first, [7])  # computed late, over the bytes of step 2
     assert first.checksums is None and world.channels.checksums_of(second) is None
+
+
+def test_a_channels_summary_says_its_newest_step_slots_pins_and_followers() -> None:
+    world = World(slots=2)
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    version = world.publish(4, share=(TEAM,))
+    world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    world.channels.checksummed(version, [1])
+    assert world.channels.summary(world.channels.by_id[channel]) == {
+        "uid": UID,
+        "name": "policy",
+        "newest_step": 4,
+        "versions": 1,
+        "slots": 2,
+        "bytes": 4096,
+        "checksummed": True,
+        "pins": 1,
+        "subscribers": 1,
+        "shared_gids": [TEAM],
+    }

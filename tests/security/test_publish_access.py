@@ -1,7 +1,7 @@
 """A published channel is its owner's: another real user follows it only once the owner
 shares it with a group the daemon's ``[server] publish_groups`` allows, and then only ever
-gets read-only descriptors of the publisher's slots, and the checksums of no version but
-one it pins itself.
+gets read-only descriptors of the publisher's slots, the checksums of no version but one
+it pins itself, and no line of the owner's channels in ``shmstage status``.
 
 The victim publishes through a root daemon that admits both users' group and allows
 sharing with it; the attacker tries to follow the channel before it is shared (and a
@@ -11,9 +11,14 @@ victim's bytes, and tries to write them through the descriptors the daemon sent 
 
 from __future__ import annotations
 
+import grp
+import json
 from pathlib import Path
 
 from sec_helpers import GROUP, Actor, User, run_as
+
+from shmstage.cli import format_status
+from shmstage.control import ControlClient
 
 #: The victim's publisher: step 1 unshared; once ``share`` exists, step 2 shared with the
 #: trainers' group; a share the daemon does not allow is refused. Lives until killed.
@@ -31,8 +36,12 @@ while not os.path.exists("{flag}"):
 stager.publish({{"w": torch.full((8,), 2.0)}}, "policy", step=2, share=["{group}"])
 own = subscribe("policy", socket="{sock}").wait(timeout=10)  # the victim's own pin
 say("SHARED", own.state(verify=True)["w"].tolist(), own.verified)
+say("STATUS", json.dumps(ControlClient("{sock}").status()["channels"]))
 time.sleep(3600)
 """
+
+#: What status shows a user of the channels.
+STATUS = 'say("STATUS", json.dumps(ControlClient("{sock}").status()["channels"]))'
 
 #: The attacker follows the victim's channel (or one that does not exist).
 FOLLOW = """
@@ -111,6 +120,19 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
         flag.touch()
         shared = publisher.wait_line("SHARED")
         assert "[2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0] True" in shared, shared
+        # status lists a channel to its owner (and to root), never to another user
+        (own,) = json.loads(publisher.wait_line("STATUS").split(" ", 1)[1])
+        assert (own["name"], own["uid"], own["newest_step"], own["pins"]) == (
+            "policy", victim.uid, 2, 1
+        )  # fmt: skip
+        assert own["shared_gids"] == [grp.getgrnam(GROUP).gr_gid] and own["checksummed"]
+        seen = json.loads(run_as(attacker, STATUS.format(sock=daemon.socket)).split(" ", 1)[1])
+        assert seen == [], seen
+        with ControlClient(daemon.socket) as control:
+            everyone = control.status()
+        assert [c["name"] for c in everyone["channels"]] == ["policy"]
+        text = format_status(everyone)
+        assert "CHANNELS (1)" in text and "policy" in text, text
         after = run_as(attacker, FOLLOW.format(owner=victim.uid, sock=daemon.socket))
         assert "READ policy 2 [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]" in after, after
         assert "REFUSED no-such-channel" in after
