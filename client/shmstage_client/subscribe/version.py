@@ -20,16 +20,17 @@ off the path of its publisher and of its readers (for 7 GiB ~0.2-0.7 s, dependin
 host); a reader is woken at once and never waits for them unless it asks to. ``verify``
 says what a copy does about them:
 
-- ``"if-ready"`` (the default: what a rollout worker wants, no added latency): verify
+- ``"if-ready"`` (the default: what a rollout worker wants, never a wait): verify
   when the checksums are there (they came with the pin, or the daemon has them when the
   copy starts — one round trip to ask), otherwise copy straight from the ring, unverified.
 - ``True``: wait for them (at most ``CHECKSUM_WAIT_S``, and never past the pin's end),
   then verify; raises ``ChecksumsUnavailable`` if none came.
 - ``False``: never verify.
 
-A verified copy goes through the restore wing's verified transfer (``restore.transfer``:
-pinned pieces, checksummed as they pass), an unverified one straight from the ring's
-registered mapping, at pinned speed; ``verified`` says which the last copy was, and a
+A verified copy to the CPU goes through the restore wing's transfer (read and checksummed
+in one pass); to a GPU it is the unverified copy from the ring's registered mapping, at
+pinned speed, followed by a check of the same bytes in place on several threads (see
+``_verified`` for why after, not before); ``verified`` says which the last copy was, and a
 tensor that does not match raises ``ChecksumError`` naming it. The pin is what keeps a
 version whole against the daemon and other publishers; the checksums catch what the pin
 cannot: a process writing into a published slot (its publisher holds the slot's
@@ -48,7 +49,7 @@ from shmstage import tree
 from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.errors import SaveError
 from shmstage_client.restore.sources import MappedSource
-from shmstage_client.restore.transfer import Placement, transfer
+from shmstage_client.restore.transfer import Placement, transfer, verify_in_place
 from shmstage_client.subscribe.ring import Ring
 
 #: A bucket's default size for ``Version.tensors``.
@@ -59,6 +60,9 @@ PIN_MARGIN_S: Final = 0.5
 #: With ``verify=True``, the longest a copy waits for the daemon to finish a version's
 #: checksums.
 CHECKSUM_WAIT_S: Final = 30.0
+
+#: Threads checking a copy to a GPU in place (the CRC-32C releases the GIL).
+VERIFY_THREADS: Final = 8
 
 #: What a copy does about checksums (see the module).
 Verify = bool | Literal["if-ready"]
@@ -207,7 +211,15 @@ class Version:
         device: torch.device,
     ) -> dict[str, torch.Tensor]:
         """Tensors ``indices``, which lie in bytes ``start:end`` of the slot's mapped
-        range, on ``device``, each checked against its CRC-32C as its bytes pass."""
+        range, on ``device``, each checked against its CRC-32C.
+
+        To the CPU, through the restore wing's transfer (read and checksummed in one pass).
+        To a GPU, copied from the ring's registered mapping at pinned speed as unverified,
+        then checked where the bytes are (``verify_in_place``, on several threads) — after
+        the copy, so that a write into the slot before or during it is seen (one after the
+        check of its bytes came after the copy and changed nothing copied). That keeps the
+        ring's point: no staging, one DMA per bucket."""
+        indices = list(indices)
         region = self._ring.region(self._slot)
         specs = self._ring.layout.tensors
         placements = [
@@ -222,7 +234,11 @@ class Version:
             for index in indices
         ]
         source = MappedSource(region.address + start, end - start, f"version {self.step}")
-        return transfer(source, placements, device)
+        if device.type != "cuda":
+            return transfer(source, placements, device)
+        buffer = self._copy(start, end, device)
+        verify_in_place(source, placements, threads=VERIFY_THREADS)
+        return dict(self._views(buffer, indices, base=start))
 
     def tensors(
         self,

@@ -300,3 +300,24 @@ def test_a_readers_connection_is_sent_a_versions_tree_only_when_it_changed(
                 assert state["lr"] == lr and torch.equal(state["w"], weights["w"])
                 step = version.step
         assert sent == [True, False, True, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_version_verified_onto_a_gpu_is_bit_exact_and_a_written_byte_is_caught_there(
+    socket: str, name: str
+) -> None:
+    """To a GPU a verified copy is the ring's DMA, then a check in place (the same fault
+    as above, written through the publisher's own mapping)."""
+    with Stager(socket, slots=1) as stager, subscribe(name, socket=socket) as subscriber:
+        stager.publish(state_of(6), name, step=6)
+        with subscriber.wait(timeout=10) as version:
+            state = version.state("cuda", verify=True)
+            assert version.verified and state["w"].is_cuda and uniform(
+                {**state, "w": state["w"].cpu(), "layers": [t.cpu() for t in state["layers"]]}, 6
+            )
+            streamed = dict(version.tensors("cuda", bucket_bytes=16 << 10, verify=True))
+            assert version.verified and bool((streamed["w"] == 6).all())
+            assert stager._layouts.current is not None
+            stager._layouts.current.slots[0][1][999] = -1  # tensor "layers.0"
+            with pytest.raises(ChecksumError, match=r"tensor 'layers\.0' in version 6"):
+                version.state("cuda")
