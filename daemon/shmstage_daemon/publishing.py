@@ -5,8 +5,12 @@ A publisher's "publish" turns the slot it filled (or the slot of a save it just 
 into its channel's newest version; every subscriber's connection is told at once by a
 "version" frame — pushed, never polled — continuing the answers to its "subscribe". A
 subscriber then pins the newest version and gets the slot's segments read-only, once per
-slot of the ring on its connection: it keeps them mapped across versions. What may be
-published, pinned and by whom is ``channels``'s; this is the conversation.
+slot of the ring on its connection: it keeps them mapped across versions, and the
+version's tree only when it differs from the last one sent there. Once a version is
+visible (after the publisher's answer) it is checksummed off the loop (``versionsums``);
+a pin's answer carries the checksums once they are there, and "checksums" asks for them
+later, waiting a bounded time. What may be published, pinned and by whom is
+``channels``'s; this is the conversation.
 """
 
 from __future__ import annotations
