@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import shutil
 import statistics
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--socket", default=None, help="use this shmstaged instead of one's own")
     parser.add_argument("--dir", default=None, help="checkpoints (default: a temp dir)")
+    parser.add_argument(
+        "--no-gc", action="store_true", help="disable Python's cyclic collector for the run"
+    )
     parser.add_argument("--profile", default=None, help="cProfile the steady saves into this")
     parser.add_argument("--json", default=None, help="also write the figures here")
     return parser.parse_args(argv)
@@ -205,6 +209,8 @@ def measure(count: int, args: argparse.Namespace, socket: str, pid: int | None, 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.no_gc:
+        gc.disable()
     root = Path(args.dir or tempfile.mkdtemp(prefix="shmstage-overhead-"))
     root.mkdir(parents=True, exist_ok=True)
     daemon: subprocess.Popen[bytes] | None = None

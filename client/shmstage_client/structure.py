@@ -145,6 +145,7 @@ class Structures:
 
     def __init__(self) -> None:
         self.current: Structure | None = None
+        self._first = True
 
     def match(self, state_dict: Any) -> tuple[Structure, list[torch.Tensor], bytes] | None:
         structure = self.current
@@ -160,6 +161,12 @@ class Structures:
         into ``packed``, its tensors under ``keys``); a state dict that is not a container,
         or whose packed tree cannot be cut around its plain values, is not remembered."""
         self.current = None
+        if self._first:
+            # Remembering costs about a flatten again (0.15 s instead of 0.08 for 10,000
+            # tensors): not in a Stager's first save, which sets the layout up, but in the
+            # next one, which finds the same structure again in most training loops.
+            self._first = False
+            return
         if not isinstance(state_dict, Mapping | list | tuple):
             return
         root = _plan(state_dict)
