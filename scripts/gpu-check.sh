@@ -9,6 +9,10 @@
 #   restore       8 GiB / 500 tensors: load cold/warm/memory, restart after SIGKILL (issue 15)
 #   dcp-2gpu      DCP through shmstage on 2 GPUs
 #   write         the writer alone against the disk's direct-I/O and buffered limits (issue 13)
+#   bench-100k    1 GiB in 100,000 tensors of 1-64 KiB: raw copy, first and steady saves (issue 36)
+#   publish       7 GiB published to a subscriber: stall, ring copy, first version, wake-up (issue 35)
+#   restart       8 GiB restarted after SIGKILL, plain and with prepare_restore (issue 36)
+#   frameworks    Lightning and the Hugging Face Trainer on ~1 B parameters, ours against theirs (issue 34)
 # Each bench step writes OUTDIR/STEP.json and OUTDIR/STEP.png and appends its text to
 # OUTDIR/log.txt (with machine.txt: at most 8 files for 3 bench steps per call). Each is
 # bounded by --budget 540 (the bench still writes its report when the budget is spent)
@@ -50,6 +54,16 @@ for what in "$@"; do
     overlapped) bench overlapped --scenario overlapped "${synthetic_8g[@]}" --saves 6 ;;
     training) bench training --scenario training --guard --saves 4 ;;
     restore) bench restore --scenario restore "${synthetic_8g[@]}" ;;
+    bench-100k) bench bench-100k --device cuda --total-bytes 1GiB --tensors 100000 \
+             --min-tensor-bytes 1KiB --max-tensor-bytes 64KiB \
+             --methods raw-copy,shmstage-first,shmstage-steady --repeats 5 ;;
+    publish) timeout -k 10 300 python3 -m shmstage_bench --scenario publish --device cuda \
+             --total-bytes 7GiB --json "$out/publish.json" 2>&1 | tee -a "$out/log.txt" ;;
+    restart) timeout -k 10 300 python3 scripts/restart_speed.py 2>&1 | tee "$out/restart.txt" ;;
+    frameworks) for fw in lightning hf; do  # checkpoints on the root disk; 12 GiB each
+             timeout -k 10 330 python3 "scripts/${fw}_gpu_bench.py" --out "/tmp/$fw-bench" \
+               --json "$out/$fw.json" 2>&1 | tee -a "$out/frameworks.txt"; rm -rf "/tmp/$fw-bench"
+           done ;;
     dcp-2gpu) python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
              scripts/dcp_gpu_bench.py --start-daemon --dir /var/tmp/dcp-bench \
              --json "$out/dcp-2gpu.json" 2>&1 | tee "$out/dcp-2gpu.txt" ;;
