@@ -55,6 +55,7 @@ from shmstage.checkpoint import CheckpointError
 from shmstage.manifest import MANIFEST_NAME
 from shmstage_client.dtypes import safetensors_name
 from shmstage_client.errors import SaveTimeout
+from shmstage_client.processes import alive
 from shmstage_client.restore.files import CheckpointFiles
 from shmstage_client.restore.restoring import Restored, check_source, restore
 from shmstage_client.save.handle import SaveHandle
@@ -281,7 +282,7 @@ def sweep(directory: Path) -> None:
         for marker in (_REPLACING, _REMOVING):
             if name.startswith(".") and marker in name and _ours(directory / name):
                 pid = name.rsplit(marker, 1)[1].split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):
+                if pid.isdigit() and not alive(int(pid)):
                     with contextlib.suppress(OSError):
                         _delete(directory / name)
 
@@ -313,7 +314,7 @@ def finish_replacements(path: Path, complete: str = MANIFEST_NAME) -> None:
             continue
         pid, _, number = name[len(prefix) :].partition("-")
         leftover = path.parent / name
-        if pid.isdigit() and number.isdigit() and _ours(leftover) and not _alive(int(pid)):
+        if pid.isdigit() and number.isdigit() and _ours(leftover) and not alive(int(pid)):
             try:  # the newest: a complete one's manifest was written last
                 written = os.stat(leftover / complete).st_mtime_ns
             except OSError:
@@ -332,20 +333,6 @@ def finish_replacements(path: Path, complete: str = MANIFEST_NAME) -> None:
         log.info("shmstage: installing %s, saved by a process that died before it could", newest)
         install(newest, path)
 
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return status.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 class _Waiting:

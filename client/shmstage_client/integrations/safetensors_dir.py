@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Final
 import torch
 
 from shmstage_client.dtypes import safetensors_name
+from shmstage_client.processes import alive
 
 if TYPE_CHECKING:
     from shmstage_client.subscribe.version import Version
@@ -159,7 +160,7 @@ def sweep_dead(root: str | os.PathLike[str] = DEFAULT_ROOT) -> list[Path]:
     with os.scandir(root) as entries:
         for entry in entries:
             pid = _owner_pid(entry.name)
-            if pid is None or pid == os.getpid() or _alive(pid):
+            if pid is None or pid == os.getpid() or alive(pid):
                 continue
             try:
                 if entry.stat(follow_symlinks=False).st_uid != uid or not entry.is_dir(
@@ -272,13 +273,3 @@ def _owner_pid(name: str) -> int | None:
         return None
     pid = name[len(_PREFIX) :].split("-", 1)[0]
     return int(pid) if pid.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
