@@ -335,6 +335,9 @@ def test_a_commit_of_another_tree_is_checked_whatever_was_checked_before(
 class _Tensor:
     """A tensor leaf for ``tree.flatten`` (no torch in the daemon's tests)."""
 
+    def __repr__(self) -> str:  # test ids must not differ between xdist workers
+        return "Tensor()"
+
 
 def _encoded(state: object) -> bytes:
     encoded, _ = tree.flatten(state, lambda value: isinstance(value, _Tensor))
