@@ -139,6 +139,14 @@ class DcpAsyncDefaultStager(Method):
 
     The stager lives across saves — that is how it caches its pinned buffers — and the
     stall ends when its staging future resolves.
+
+    Some torch versions (2.11 on the GPU machine) close the stager's ``StateDictStager``
+    at the end of every stage, to break a reference cycle: that drops its cached buffers
+    and empties its copy table, so the same stager's next stage fails with ``KeyError:
+    <class 'type'>`` (the table's entry for classes, reached through a dict's
+    ``__reduce_ex__``). There the bench gives the stager a new ``StateDictStager`` before
+    each save (``_reopen_state_dict_stager``): what that torch's stager would cost if it
+    worked, buffers allocated anew every save, and the row's note says so.
     """
 
     name = "dcp-async-stager"
@@ -172,6 +180,11 @@ class DcpAsyncDefaultStager(Method):
     def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
         import torch.distributed.checkpoint as dcp
 
+        reopened = _reopen_state_dict_stager(self.stager)
+        if reopened and REOPENED_NOTE not in self.note:
+            self.note = "; ".join(
+                filter(None, [self.note, f"{REOPENED_NOTE} (torch {torch.__version__})"])
+            )
         t0 = time.perf_counter()
         resp = dcp.async_save(
             state_dict, checkpoint_id=str(directory), async_stager=self.stager, **self.kwargs
@@ -182,6 +195,25 @@ class DcpAsyncDefaultStager(Method):
         stager = getattr(self, "stager", None)
         if stager is not None:
             stager.close()
+
+
+REOPENED_NOTE = (
+    "this torch closes the stager's StateDictStager after each stage (its buffers are not "
+    "kept; reused, it fails with KeyError: <class 'type'>): a new one per save"
+)
+
+
+def _reopen_state_dict_stager(stager: Any) -> bool:
+    """Give a ``DefaultStager`` whose ``StateDictStager`` was closed (its copy table is
+    empty) a new one with the same options; whether it had to."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is None or getattr(inner, "_deepcopy_dispatch", True):
+        return False
+    options = {"pin_memory": inner.pin_memory, "share_memory": inner.share_memory}
+    if hasattr(inner, "pin_memory_min_bytes"):
+        options["pin_memory_min_bytes"] = inner.pin_memory_min_bytes
+    stager._state_dict_stager = type(inner)(**options)
+    return True
 
 
 def _import_nvrx(device: torch.device) -> Any:
@@ -455,6 +487,11 @@ class MlFlashpoint(Method):
     stall is the synchronous ``dcp.save`` (as its guide's sync save). Its checkpoints live
     in memory only — on no disk, and across nodes only by replication — so the row has no
     durable time; restoring is a ``dcp.load`` through its ``MemoryStorageReader``.
+
+    Its loader (0.0.10) takes a checkpoint as complete only if it holds Megatron's
+    ``common.pt``, which a plain DCP save never writes, so its guide's recovery found no
+    checkpoint after any save: the bench writes an empty one into each checkpoint, as its
+    Megatron adapter writes the common state, before finalizing it.
     """
 
     name = "ml-flashpoint"
@@ -465,7 +502,12 @@ class MlFlashpoint(Method):
         def imports() -> Any:
             from ml_flashpoint.adapter.pytorch import memory_storage_reader, memory_storage_writer
             from ml_flashpoint.checkpoint_object_manager import checkpoint_object_manager
-            from ml_flashpoint.core import checkpoint_id_types, checkpoint_loader, checkpoint_saver
+            from ml_flashpoint.core import (
+                checkpoint_id_types,
+                checkpoint_loader,
+                checkpoint_saver,
+                defaults,
+            )
             from ml_flashpoint.replication import replication_manager
 
             return (
@@ -475,12 +517,16 @@ class MlFlashpoint(Method):
                 checkpoint_id_types,
                 checkpoint_loader,
                 checkpoint_saver,
+                defaults,
                 replication_manager,
             )
 
         os.environ.setdefault("MLFLASHPOINT_LOG_LEVEL", "WARNING")  # DEBUG by default
-        (writer_mod, reader_mod, objects, ids, loading, saving, replication) = _peer_import(
-            "ml-flashpoint", imports
+        # One node: else its loader counts nodes as world size / torch.cuda.device_count(),
+        # which fails without a GPU.
+        os.environ.setdefault("NNODES", "1")
+        (writer_mod, reader_mod, objects, ids, loading, saving, defaults, replication) = (
+            _peer_import("ml-flashpoint", imports)
         )
         import concurrent.futures
 
@@ -522,6 +568,7 @@ class MlFlashpoint(Method):
         )
         self.reader_cls = reader_mod.MemoryStorageReader
         self.ids = ids.CheckpointContainerId
+        self.common_name = defaults.COMMON_STATE_FNAME
         self.base = Path(FLASHPOINT_BASE.format(pid=os.getpid()))
         self.step = 0
         self.note = (
@@ -538,16 +585,16 @@ class MlFlashpoint(Method):
         )
         t0 = time.perf_counter()
         dcp.save(state_dict, checkpoint_id=str(checkpoint), storage_writer=self.writer)
-        # what its Megatron adapter does after a save: mark it complete (its loader finds no
-        # other) and start removing the older ones
+        # what its Megatron adapter does: the common state next to the shards (its loader
+        # needs the file), then mark the checkpoint complete (its loader finds no other) and
+        # start removing the older ones
+        torch.save({}, Path(checkpoint.data) / self.common_name)
         cleaner = self.writer.checkpoint_saver.finalize_checkpoint(checkpoint)
         stall = time.perf_counter() - t0
         if cleaner is not None:
             cleaner.wait(timeout=600)
         detail: dict[str, Any] = {}
-        if self.step == 2 and self.device.type != "cuda":
-            self.note += "; restore not timed: its loader counts nodes by torch.cuda.device_count()"
-        elif self.step == 2:  # once (the first repeat): a restart's restore from its memory
+        if self.step == 2:  # once (the first repeat): a restart's restore from its memory
             t1 = time.perf_counter()
             latest = self.loader.get_latest_complete_checkpoint(self.ids(str(self.base)))
             if latest is None:
