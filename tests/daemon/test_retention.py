@@ -15,7 +15,6 @@ import os
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import pytest
 from shmstage_daemon import job
@@ -213,10 +212,11 @@ def test_another_user_may_lease_a_checkpoint_only_once_its_trainer_is_gone() -> 
     on_a_loop(scenario)
 
 
-def test_the_kernel_names_a_segment_a_process_may_still_write(tmp_path: Path) -> None:
+def test_the_kernel_names_a_segment_a_process_may_still_write(instance_id: str) -> None:
     """A writable mapping counts even after its descriptor was closed; a read-only one
-    never does (real segments in /dev/shm)."""
-    refs = [segment.create(segment.new_instance_id(), 4096) for _ in range(2)]
+    never does (real segments in /dev/shm, under a live instance's id, so that no daemon
+    of another test reaps them meanwhile)."""
+    refs = [segment.create(instance_id, 4096) for _ in range(2)]
     try:
         assert writers(refs) is None
         fd = segment.open_fd(refs[1], writable=True)

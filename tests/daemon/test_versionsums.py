@@ -27,10 +27,12 @@ def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
         yield executor
 
 
-def staged(layout: Layout) -> tuple[list[SegmentRef], list[bytes]]:
-    """The layout's segments, each tensor's bytes written where the daemon stages it."""
+def staged(layout: Layout, instance: str) -> tuple[list[SegmentRef], list[bytes]]:
+    """The layout's segments, each tensor's bytes written where the daemon stages it. Made
+    under ``instance``, a live instance's id (conftest's ``instance_id``): under an id no
+    daemon holds, another test's daemon starting meanwhile reaps them as a dead daemon's."""
     packing = layout.packing()
-    refs = [segment.create(segment.new_instance_id(), size) for size in packing.sizes]
+    refs = [segment.create(instance, size) for size in packing.sizes]
     contents = []
     places = zip(packing.places, layout.sizes, strict=True)
     for index, ((which, offset), nbytes) in enumerate(places):
@@ -46,13 +48,13 @@ def staged(layout: Layout) -> tuple[list[SegmentRef], list[bytes]]:
 
 
 def test_every_tensors_checksum_is_its_bytes_packed_cut_into_pieces_or_empty(
-    pool: concurrent.futures.ThreadPoolExecutor, read_passes: str
+    pool: concurrent.futures.ThreadPoolExecutor, read_passes: str, instance_id: str
 ) -> None:
     big = (versionsums.PIECE_BYTES * 2 + 1000) // 4  # three pieces, the last one short
     specs = [TensorSpec("big", "F32", (big,)), TensorSpec("empty", "F32", (0,))]
     specs += [TensorSpec(f"small.{i}", "F32", (i + 1,)) for i in range(300)]  # packed
     layout = Layout(tuple(specs))
-    refs, contents = staged(layout)
+    refs, contents = staged(layout, instance_id)
     try:
         assert len(layout.packing().sizes) < len(specs), "the small ones share a segment"
         assert versionsums.compute(layout, refs, pool) == [crc32c.crc32c(c) for c in contents]
@@ -62,10 +64,10 @@ def test_every_tensors_checksum_is_its_bytes_packed_cut_into_pieces_or_empty(
 
 
 def test_a_segment_truncated_by_its_publisher_is_an_error_not_a_fault(
-    pool: concurrent.futures.ThreadPoolExecutor, read_passes: str
+    pool: concurrent.futures.ThreadPoolExecutor, read_passes: str, instance_id: str
 ) -> None:
     layout = Layout((TensorSpec("w", "F32", (1 << 20,)),))
-    refs, _contents = staged(layout)
+    refs, _contents = staged(layout, instance_id)
     try:
         fd = segment.open_fd(refs[0], writable=True)
         os.ftruncate(fd, mmap.PAGESIZE)  # what a publisher holding it writable may do
