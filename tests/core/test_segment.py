@@ -18,8 +18,8 @@ def mapped(ref: segment.SegmentRef, fd: int, *, writable: bool) -> segment.Regio
     return region
 
 
-def test_create_reserves_and_restricts() -> None:
-    instance = segment.new_instance_id()
+def test_create_reserves_and_restricts(instance_id: str) -> None:
+    instance = instance_id
     ref = segment.create(instance, 10_000)
     try:
         st = os.stat(segment.SHM_DIR + ref.name)
@@ -44,9 +44,9 @@ def test_create_reserves_and_restricts() -> None:
     assert not segment.unlink(ref.name)
 
 
-def test_mappings_hold_no_descriptor() -> None:
+def test_mappings_hold_no_descriptor(instance_id: str) -> None:
     """20,000 mapped segments must not mean 20,000 open descriptors (RLIMIT_NOFILE)."""
-    ref = segment.create(segment.new_instance_id(), 4096)
+    ref = segment.create(instance_id, 4096)
     try:
         fd = segment.open_fd(ref, writable=True)
         before = len(os.listdir("/proc/self/fd"))
@@ -59,8 +59,8 @@ def test_mappings_hold_no_descriptor() -> None:
         segment.unlink(ref.name)
 
 
-def test_zero_byte_tensors_get_a_mappable_segment() -> None:
-    ref = segment.create(segment.new_instance_id(), 0)
+def test_zero_byte_tensors_get_a_mappable_segment(instance_id: str) -> None:
+    ref = segment.create(instance_id, 0)
     try:
         assert ref.size == 1
     finally:
@@ -123,8 +123,8 @@ def test_parallel_setup_does_everything_once_or_stops_and_raises() -> None:
     assert 3 not in done and len(set(done)) == len(done)
 
 
-def test_a_region_maps_segments_back_to_back_at_page_boundaries() -> None:
-    instance = segment.new_instance_id()
+def test_a_region_maps_segments_back_to_back_at_page_boundaries(instance_id: str) -> None:
+    instance = instance_id
     sizes = [10, 0, 3 * mmap.PAGESIZE + 1, mmap.PAGESIZE]
     refs = [segment.create(instance, n) for n in sizes]
     region = segment.Region(sizes)
