@@ -58,11 +58,7 @@ def _node(
 ) -> Any:
     """The node at ``after``'s position, where ``before`` is at ``old_node``'s."""
     start = before.tell()
-    before.skip()
-    end = before.tell()
-    here = after.tell()
-    if new[here : here + end - start] == old[start:end]:
-        after.read_bytes(end - start)
+    if _same_bytes(old, before, new, after):
         return old_node
     tag = _container_tag(old_node)
     if tag is None:  # a leaf, a tensor or a float changed: decoded alone and checked
@@ -98,11 +94,7 @@ def _pair(
 ) -> list[Any]:
     """A dict's entry, ``[key, node]``: the key must be the same (of the same type)."""
     start = before.tell()
-    before.skip()
-    end = before.tell()
-    here = after.tell()
-    if new[here : here + end - start] == old[start:end]:
-        after.read_bytes(end - start)
+    if _same_bytes(old, before, new, after):
         return old_pair
     before = _at(old, start)
     if before.read_array_header() != 2 or after.read_array_header() != 2:
@@ -112,6 +104,22 @@ def _pair(
         raise _Different
     node = _node(old, before, old_pair[1], new, after, keys)
     return old_pair if node is old_pair[1] else [new_key, node]
+
+
+def _same_bytes(
+    old: bytes, before: msgpack.Unpacker | _Offset, new: bytes, after: msgpack.Unpacker
+) -> bool:
+    """Whether the next object encodes to the same bytes on both sides; if so both move
+    past it, else only ``before`` did (the caller goes back to where it started). Equal
+    bytes are the same value of the same types, so it need not be decoded nor checked."""
+    start = before.tell()
+    before.skip()
+    end = before.tell()
+    here = after.tell()
+    if new[here : here + end - start] != old[start:end]:
+        return False
+    after.read_bytes(end - start)
+    return True
 
 
 def _at(data: bytes, offset: int) -> _Offset:
