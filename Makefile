@@ -5,14 +5,15 @@ demo:
 	scripts/bootstrap.sh
 	scripts/demo.sh $(if $(KEEP),--keep)
 
-# Three workers: most tests wait on real daemons and subprocesses, so more workers than
-# cores still shorten the wall clock on a 2-core machine (one 8.4 min, two 4.5 min when the
-# suite was smaller; with the framework integrations, two 8.4 min and three 7.2 min). Every
-# test has its own daemon instance, socket and directories; the few that look at node-wide
-# leftovers (marked node_wide) run afterwards, alone.
+# Two workers: most tests wait on real daemons and subprocesses, so two nearly halve the
+# wall clock even on a 2-core machine (8.4 -> 4.5 min when the suite was smaller). Three were
+# a minute faster with the framework integrations (7.2 against 8.4 min) but loaded two cores
+# enough to break a test's timing: two it stays. Every test has its own daemon instance,
+# socket and directories; the few that look at node-wide leftovers (marked node_wide) run
+# afterwards, alone.
 test:
 	scripts/bootstrap.sh --test
-	.venv/bin/python -m pytest -n $${SHMSTAGE_TEST_WORKERS:-3} -m "not node_wide"
+	.venv/bin/python -m pytest -n $${SHMSTAGE_TEST_WORKERS:-2} -m "not node_wide"
 	.venv/bin/python -m pytest -m node_wide
 
 lint:

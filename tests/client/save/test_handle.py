@@ -58,7 +58,9 @@ def test_a_two_phase_save_stalls_for_its_stage_and_its_commit(daemon, ckpt: Path
         started = time.perf_counter()
         staged = stager.stage({"w": torch.ones(1 << 16)})
         stage_wall = time.perf_counter() - started
-        assert staged.stall_seconds <= stage_wall < staged.stall_seconds + 0.05
+        # The stall is the whole call: nothing but returning lies outside it (0.25 s of slack
+        # for a loaded CI machine, whose scheduler once took 60 ms there).
+        assert staged.stall_seconds <= stage_wall < staged.stall_seconds + 0.25
         assert staged.timings.commit_seconds == 0
         started = time.perf_counter()
         handle = staged.commit(ckpt / "c")
@@ -68,7 +70,7 @@ def test_a_two_phase_save_stalls_for_its_stage_and_its_commit(daemon, ckpt: Path
         assert t.slot_wait_seconds == staged.slot_wait_seconds
         assert t.commit_seconds > 0 and t.setup_seconds > staged.setup_seconds
         assert staged.stall_seconds < t.stall_seconds <= stage_wall + commit_wall
-        assert t.stall_seconds > stage_wall + commit_wall - 0.05
+        assert t.stall_seconds > stage_wall + commit_wall - 0.25
         handle.wait(60)
 
 
