@@ -234,7 +234,9 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # Publishing (``channels``): the filled ``slot`` becomes version ``step`` of the
     # caller's channel ``name``, visible to subscribers at once; with ``job`` it is the
     # slot of that committed save (its tree and metadata are the commit's). ``share``:
-    # gids whose members may subscribe too (each must be allowed by the daemon).
+    # gids whose members may subscribe too (each must be allowed by the daemon). A rank of
+    # a sharded publisher sends its ``part`` of ``parts``, each shard's global shape by flat
+    # key (``shapes``), and how long the step's first part waits for the rest (``within``).
     "publish": {
         "layout": _INT,
         "slot": _INT,
@@ -244,6 +246,10 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "tree": _ANY,
         "metadata": _MAP,
         "share": _LIST,
+        "part": _INT,
+        "parts": _INT,
+        "shapes": _MAP,
+        "within": _NUM,
     },
     # A subscription is a request that stays open: "subscribed" answers it, then each new
     # version of the channel is announced by a "version" frame carrying its id.
@@ -255,7 +261,7 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "unpin": {"pin": _INT},
     # The checksums of a version this connection pins, waiting up to ``seconds`` (0, the
     # default: only those known now) while the daemon computes them; "checksummed" answers.
-    "checksums": {"pin": _INT, "seconds": _NUM},
+    "checksums": {"pin": _INT, "seconds": _NUM, "part": _INT},
 }
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``default_slots``: the slots a registration without ``slots`` gets.
@@ -310,7 +316,9 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``held``: the lease was still in force until now, so nothing refilled the slot
     # while the client read it (false: it had expired, and what was read may be torn).
     "unleased": {"lease": _INT, "held": _BOOL},
-    "published": {"name": _STR, "step": _INT, "subscribers": _INT},
+    # ``visible``: whether this publish made the version visible (false: a part of a
+    # sharded version whose other parts have not all arrived).
+    "published": {"name": _STR, "step": _INT, "subscribers": _INT, "visible": _BOOL},
     # ``newest``: the step of the channel's newest version, if it has one now.
     "subscribed": {"channel": _INT, "newest": _INT + _NONE},
     # The one frame the daemon sends unasked: a new version of a subscribed channel is
@@ -338,10 +346,13 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         # version became visible (or, for ``save(..., publish=)``, its job did); absent
         # until then ("checksums" asks for them later).
         "checksums": _LIST,
+        # A sharded version: each part's ring, slot, segments, sizes, shapes (and tensors,
+        # tree, checksums as above); ring, slot and sizes above are part 0's.
+        "parts": _LIST,
     },
     # ``checksums``: null when there are none (yet: within the time asked for).
     "checksummed": {"pin": _INT, "checksums": (list, type(None))},
-    "ring_fds": {"pin": _INT, "first": _INT},
+    "ring_fds": {"pin": _INT, "first": _INT, "part": _INT},
     # ``held``: the pin was in force until now (false: it had expired).
     "unpinned": {"pin": _INT, "held": _BOOL},
 }
@@ -378,11 +389,15 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "registered": frozenset({"adopted"}),
     "acquired": frozenset({"leased"}),
     "leased": frozenset({"tensors", "tree", "metadata", "checksums"}),
-    "publish": frozenset({"job", "tree", "metadata", "share"}),
+    "publish": frozenset(
+        {"job", "tree", "metadata", "share", "part", "parts", "shapes", "within"}
+    ),
+    "published": frozenset({"visible"}),
     "subscribe": frozenset({"owner"}),
     "pin": frozenset({"newer_than", "seconds", "max_fds"}),
-    "checksums": frozenset({"seconds"}),
-    "pinned": frozenset({"tensors", "tree", "checksums"}),
+    "checksums": frozenset({"seconds", "part"}),
+    "pinned": frozenset({"tensors", "tree", "checksums", "parts"}),
+    "ring_fds": frozenset({"part"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 

@@ -33,6 +33,15 @@ uid's ``name``. The rules:
   loop (``versionsums``); a pin's answer carries them once they are there (a save's
   come from its job, once durable, if they were not there before). Readers never wait for
   them unless they ask to (``await_checksums``): a version is never held back for them.
+- *Parts.* A sharded publisher (the ranks of a DCP/FSDP trainer on this node, each its own
+  connection, layout and slot; same uid) publishes each step as ``count`` parts. A part's
+  slot stays FILLING, its connection's, until every part of that step arrived; then each
+  slot is handed back holding its part and the version becomes visible whole, once. A
+  step that never completes — a part's connection ended, a newer step became visible, or
+  its ``within`` seconds from its first part ran out — is dropped and every slot it held
+  handed back: nothing of it is ever visible. Readers pin a sharded version as one (every
+  part's slot pinned together). The step rules are a version's: a part of a step not newer
+  than the newest visible one is refused.
 - *Access.* A channel is its owner's; the owner may share it with groups that the
   daemon's ``[server] publish_groups`` allows (``share``); members of those groups may
   subscribe and pin. Anyone else is told there is no such channel shared with them,
@@ -47,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,11 +65,15 @@ import msgpack
 from shmstage.protocol import ErrorCode
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.retention import RetentionPolicy
-from shmstage_daemon.slot import Slot
+from shmstage_daemon.slot import Slot, SlotState
 from shmstage_daemon.store import StagedLayout, Store, StoreError
 
 #: A channel's name: what a reader subscribes to.
 MAX_NAME = 128
+#: The most parts of one sharded version (ranks of one node publishing together).
+MAX_PARTS = 256
+#: The longest a sharded version's first part waits for the others (``within``).
+MAX_PART_WAIT_S = 600.0
 
 
 class Timer(Protocol):
@@ -99,6 +112,32 @@ class Version:
     summed: bool = False
     #: Told the checksums (None: there will be none) once the computation ends.
     waiting: list[Callable[[list[int] | None], None]] = field(default_factory=list)
+    #: Which part of a sharded version this is (see *Parts*); 0 for a version of one part.
+    part: int = 0
+    #: On a sharded version's part 0, which readers pin and the channel lists: every part in
+    #: order, itself first. Empty for a version of one publisher.
+    parts: list[Version] = field(default_factory=list)
+    #: A sharded part's global shape of each shard (flat key -> shape); None if unsharded.
+    shapes: dict[str, list[int]] | None = None
+    #: The connection that filled a part's slot and holds it until every part arrived.
+    session: int = 0
+
+    @property
+    def every_part(self) -> list[Version]:
+        """The slots that make this version: its parts, or itself alone."""
+        return self.parts or [self]
+
+
+@dataclass(eq=False)
+class Assembly:
+    """The parts of one step of a sharded version that arrived, until all ``count`` did."""
+
+    step: int
+    count: int
+    #: The groups to share with, as the first part asked.
+    share: frozenset[int]
+    parts: dict[int, Version] = field(default_factory=dict)
+    timer: Timer | None = None
 
 
 @dataclass(eq=False)
@@ -122,6 +161,8 @@ class Channel:
     #: The highest step ever published while the channel existed.
     last_step: int | None = None
     subscribers: dict[int, Subscription] = field(default_factory=dict)
+    #: Sharded versions whose parts are still arriving, by step (see *Parts*).
+    assembling: dict[int, Assembly] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -170,10 +211,14 @@ class Channels:
     # -- versions ----------------------------------------------------------------
 
     def current(self, version: Version) -> bool:
-        """Whether a version is still there to be pinned (see the module's *Lifetime*)."""
-        staged, slot = version.staged, version.slot
+        """Whether a version is still there to be pinned (see the module's *Lifetime*):
+        every part of it."""
+        return all(self._holds(part) for part in version.every_part)
+
+    def _holds(self, part: Version) -> bool:
+        staged, slot = part.staged, part.slot
         return (
-            slot.version is version
+            slot.version is part
             and not staged.released
             and self._store.layouts.get(staged.id) is staged
             and slot in staged.slots
@@ -200,6 +245,110 @@ class Channels:
         """Make ``slot`` (filled, its copy complete) version ``step`` of ``uid``'s channel
         ``name``; returns it and the subscriptions to tell. The caller has checked that the
         publisher holds the slot (or that it holds the commit being published)."""
+        channel = self._publishable(uid, name, step, share)
+        version = Version(
+            self._store.next_id(),
+            step,
+            channel.id,
+            staged,
+            slot,
+            tree,
+            metadata,
+            packed_tree or msgpack.packb(tree, use_bin_type=True),
+            job,
+        )
+        slot.version = version
+        return version, self._visible(channel, version, frozenset(share))
+
+    def publish_part(
+        self,
+        uid: int,
+        name: str,
+        step: int,
+        staged: StagedLayout,
+        slot: Slot,
+        *,
+        session: int,
+        part: int,
+        count: int,
+        within: float,
+        tree: Any,
+        metadata: dict[str, Any],
+        shapes: dict[str, list[int]],
+        packed_tree: bytes = b"",
+        share: Collection[int] = (),
+    ) -> tuple[Version | None, list[Subscription]]:
+        """Part ``part`` of ``count`` of version ``step`` (see *Parts*): ``slot``, filled by
+        ``session`` and still FILLING, its. Returns (None, []) while parts are missing; the
+        part that completes the version gets it and the subscriptions to tell, every
+        part's slot handed back holding its part. ``within``: seconds from a step's first
+        part until it is dropped unless complete."""
+        if not (0 < count <= MAX_PARTS and 0 <= part < count):
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"part {part} of {count}: a sharded version has 1 to {MAX_PARTS} parts, "
+                "numbered from 0",
+            )
+        channel = self._publishable(uid, name, step, share)
+        assembly = channel.assembling.get(step)
+        if assembly is None:
+            if not (math.isfinite(within) and 0 < within <= MAX_PART_WAIT_S):
+                raise StoreError(
+                    ErrorCode.BAD_REQUEST,
+                    f"publish.within {within!r} must be a number of seconds in "
+                    f"(0, {MAX_PART_WAIT_S:g}]",
+                )
+            assembly = Assembly(step, count, frozenset(share))
+            channel.assembling[step] = assembly
+            assembly.timer = self._schedule(within, lambda: self._abandon(channel, step))
+        elif assembly.count != count:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"step {step} of channel {name!r} was begun as {assembly.count} parts, not "
+                f"{count}: every rank of the node must publish with the same part count",
+            )
+        if part in assembly.parts:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"part {part} of step {step} of channel {name!r} was already published; "
+                "each rank publishes its own part number once per step",
+            )
+        assembly.parts[part] = Version(
+            self._store.next_id(),
+            step,
+            channel.id,
+            staged,
+            slot,
+            tree,
+            metadata,
+            packed_tree or msgpack.packb(tree, use_bin_type=True),
+            part=part,
+            shapes=shapes,
+            session=session,
+        )
+        if len(assembly.parts) < count:
+            return None, []
+        self._forget_assembly(channel, assembly)
+        parts = [assembly.parts[index] for index in range(count)]
+        gone = [part.part for part in parts if not self._filling(part)]
+        if gone:
+            self._give_back(parts)
+            raise StoreError(
+                ErrorCode.NOT_RETAINED,
+                f"step {step} of channel {name!r} is dropped: the slot of part(s) {gone} "
+                "was given up before every part arrived (its publisher released its "
+                f"layout); nothing of step {step} is visible — publish the next step",
+            )
+        head = parts[0]
+        head.parts = parts
+        for each in parts:
+            each.slot.version = each
+            self._store.release_slot(each.session, each.staged, each.slot)
+        return head, self._visible(channel, head, assembly.share)
+
+    def _publishable(self, uid: int, name: str, step: int, share: Collection[int]) -> Channel:
+        """The channel a version (or part) of ``step`` may be published to, opened if new;
+        raises what refuses it."""
         check_name(name)
         allowed = self._publish_groups()
         refused = sorted(set(share) - allowed)
@@ -220,27 +369,53 @@ class Channels:
             )
         if not -(1 << 63) <= step < 1 << 63:
             raise StoreError(ErrorCode.BAD_REQUEST, f"step {step} does not fit 64 bits")
-        if channel is None:
-            channel = self._open(uid, name)
-        version = Version(
-            self._store.next_id(),
-            step,
-            channel.id,
-            staged,
-            slot,
-            tree,
-            metadata,
-            packed_tree or msgpack.packb(tree, use_bin_type=True),
-            job,
-        )
-        slot.version = version
+        return channel if channel is not None else self._open(uid, name)
+
+    def _visible(
+        self, channel: Channel, version: Version, share: frozenset[int]
+    ) -> list[Subscription]:
+        """``version`` (its slots holding it) is the channel's newest: steps below it can
+        never be shown, so their unfinished parts go; returns the subscriptions to tell."""
         channel.versions = [v for v in channel.versions if self.current(v)] + [version]
-        channel.last_step = step
-        channel.shared = frozenset(share)
+        channel.last_step = version.step
+        channel.shared = share
+        for step in [step for step in channel.assembling if step < version.step]:
+            self._abandon(channel, step)
         told = [s for s in channel.subscribers.values() if self.may_read(s.peer, channel)]
-        for other in [c for c in self.channels.values() if c.uid == uid and c is not channel]:
-            self._prune(other)  # a publisher naming a new channel each time hoards nothing
-        return version, told
+        for other in [c for c in self.channels.values() if c.uid == channel.uid]:
+            if other is not channel:
+                self._prune(other)  # a publisher naming a new channel each time hoards nothing
+        return told
+
+    def _filling(self, part: Version) -> bool:
+        """Whether a waiting part's slot is still being held by the connection that filled
+        it (not given up with its layout or its connection)."""
+        staged, slot = part.staged, part.slot
+        return (
+            slot.state is SlotState.FILLING
+            and slot.holder == part.session
+            and not staged.released
+            and self._store.layouts.get(staged.id) is staged
+        )
+
+    def _give_back(self, parts: Iterable[Version]) -> None:
+        for part in parts:
+            if self._filling(part):
+                self._store.release_slot(part.session, part.staged, part.slot)
+
+    def _forget_assembly(self, channel: Channel, assembly: Assembly) -> None:
+        channel.assembling.pop(assembly.step, None)
+        if assembly.timer is not None:
+            assembly.timer.cancel()
+
+    def _abandon(self, channel: Channel, step: int) -> None:
+        """Drop step ``step``'s unfinished parts, handing their slots back (see *Parts*)."""
+        assembly = channel.assembling.get(step)
+        if assembly is None:
+            return
+        self._forget_assembly(channel, assembly)
+        self._give_back(assembly.parts.values())
+        self._prune(channel)
 
     def checksummed(self, version: Version, checksums: list[int] | None) -> None:
         """The computation of ``version``'s checksums ended: keep them while the version
@@ -264,11 +439,16 @@ class Channels:
         return None
 
     def await_checksums(
-        self, session: int, pin_id: int, tell: Callable[[list[int] | None], None]
+        self,
+        session: int,
+        pin_id: int,
+        tell: Callable[[list[int] | None], None],
+        part: int = 0,
     ) -> list[int] | bool | None:
-        """The checksums of the version that ``session``'s pin ``pin_id`` holds: the list,
-        None when there will be none, or False when they are still being computed —
-        ``tell`` then gets them (or None) once the computation ends."""
+        """The checksums of the version (of its part ``part``) that ``session``'s pin
+        ``pin_id`` holds: the list, None when there will be none, or False when they are
+        still being computed — ``tell`` then gets them (or None) once the computation
+        ends."""
         pin = self.pins.get(pin_id)
         if pin is None or pin.session != session:
             raise StoreError(
@@ -276,7 +456,13 @@ class Channels:
                 f"pin {pin_id} is not held by this connection (it ended, or never was); "
                 "ask for checksums of a version while it is pinned",
             )
-        version = pin.version
+        parts = pin.version.every_part
+        if not 0 <= part < len(parts):
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"checksums.part {part}: the pinned version has {len(parts)} part(s)",
+            )
+        version = parts[part]
         known = self.checksums_of(version)
         if known is not None or version.summed:
             return known
@@ -287,14 +473,16 @@ class Channels:
         """What ``shmstage status`` shows of a channel, as plain data (``status`` decides
         who sees it)."""
         newest = self.newest(channel)
+        parts = [] if newest is None else newest.every_part
         return {
             "uid": channel.uid,
             "name": channel.name,
             "newest_step": None if newest is None else newest.step,
             "versions": len(channel.versions),
-            "slots": 0 if newest is None else len(newest.staged.slots),
-            "bytes": 0 if newest is None else newest.staged.layout.nbytes,
-            "checksummed": newest is not None and self.checksums_of(newest) is not None,
+            "slots": sum(len(part.staged.slots) for part in parts),
+            "bytes": sum(part.staged.layout.nbytes for part in parts),
+            "checksummed": bool(parts)
+            and all(self.checksums_of(part) is not None for part in parts),
             "pins": sum(1 for pin in self.pins.values() if pin.version.channel == channel.id),
             "subscribers": len(channel.subscribers),
             "shared_gids": sorted(channel.shared),
@@ -308,7 +496,7 @@ class Channels:
 
     def _prune(self, channel: Channel) -> None:
         """Forget a channel with nothing alive and nobody following it."""
-        if channel.subscribers or self.newest(channel) is not None:
+        if channel.subscribers or channel.assembling or self.newest(channel) is not None:
             return
         if any(pin.version.channel == channel.id for pin in self.pins.values()):
             return  # its step must keep growing while a reader holds one of its versions
@@ -390,20 +578,16 @@ class Channels:
                 f"uid {peer.uid} already holds {mine} pins (limit {policy.max_leases}, "
                 "[retention] max_leases); close versions it no longer reads",
             )
-        slot, staged = version.slot, version.staged
-        others = [other for other in staged.slots if other is not slot]
-        if (
-            peer.uid != channel.uid
-            and others
-            and not slot.leased
-            and all(other.leased for other in others)
-        ):
-            raise StoreError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"every other slot of channel {channel.name!r} is pinned: "
-                f"uid {peer.uid} may not pin the last one (its publisher needs a slot); "
-                "retry once a pin ended",
-            )
+        for part in version.every_part if peer.uid != channel.uid else ():
+            slot = part.slot
+            others = [other for other in part.staged.slots if other is not slot]
+            if others and not slot.leased and all(other.leased for other in others):
+                raise StoreError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"every other slot of channel {channel.name!r} is pinned: uid "
+                    f"{peer.uid} may not pin the last one (its publisher needs a slot); "
+                    "retry once a pin ended",
+                )
         if seconds is None:
             seconds = policy.lease_seconds
         if not (math.isfinite(seconds) and seconds > 0):
@@ -414,7 +598,8 @@ class Channels:
         seconds = min(seconds, policy.max_lease_seconds)
         pin = Pin(next(self._pin_ids), session, peer.uid, version, now, now + seconds)
         self.pins[pin.id] = pin
-        slot.pins.add(pin.id)
+        for part in version.every_part:
+            part.slot.pins.add(pin.id)
         pin.timer = self._schedule(seconds, lambda: self._expire(pin.id))
         return pin
 
@@ -433,10 +618,14 @@ class Channels:
         return True
 
     def end_session(self, session: int) -> None:
-        """A connection went: its pins end, its subscription too."""
+        """A connection went: its pins end, its subscription too, and every unfinished
+        sharded version it published a part of is dropped."""
         for pin in [pin for pin in self.pins.values() if pin.session == session]:
             self._end(pin)
         for channel in list(self.channels.values()):
+            for step, assembly in list(channel.assembling.items()):
+                if any(part.session == session for part in assembly.parts.values()):
+                    self._abandon(channel, step)
             if channel.subscribers.pop(session, None) is not None:
                 self._prune(channel)
 
@@ -444,7 +633,7 @@ class Channels:
         del self.pins[pin.id]
         if pin.timer is not None:
             pin.timer.cancel()
-        slot = pin.version.slot
-        slot.pins.discard(pin.id)
-        if not slot.leased:
-            self._on_free(pin.version.staged, slot)
+        for part in pin.version.every_part:
+            part.slot.pins.discard(pin.id)
+            if not part.slot.leased:
+                self._on_free(part.staged, part.slot)

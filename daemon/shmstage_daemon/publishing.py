@@ -11,6 +11,12 @@ visible (after the publisher's answer) it is checksummed off the loop (``version
 a pin's answer carries the checksums once they are there, and "checksums" asks for them
 later, waiting a bounded time. What may be published, pinned and by whom is
 ``channels``'s; this is the conversation.
+
+A sharded publisher's ranks each publish a *part* (``parts``, ``part``, ``shapes``: each
+shard's global shape by flat key, ``within``): the answer says whether that part made
+the version visible. A pin of a sharded version answers with every part's ring, slot,
+structure and tree (``parts``), and each part's segments follow in "ring_fds" frames
+naming the part; the connection keeps what it was sent per ring and per part.
 """
 
 from __future__ import annotations
@@ -28,13 +34,15 @@ from shmstage_daemon import requests
 from shmstage_daemon.channels import Channels, Version
 from shmstage_daemon.requests import RequestError
 from shmstage_daemon.session import Handler, Session
-from shmstage_daemon.slot import SlotState
-from shmstage_daemon.store import Store
+from shmstage_daemon.slot import Slot, SlotState
+from shmstage_daemon.store import StagedLayout, Store
 
 log = logging.getLogger("shmstaged.session")
 
 #: The longest a reader may wait for a version's checksums in one "checksums" request.
 MAX_CHECKSUM_WAIT_S: Final = 60.0
+#: How long a sharded version's first part waits for the others, unless it says.
+DEFAULT_PART_WAIT_S: Final = 60.0
 
 
 class Publishing:
@@ -56,11 +64,14 @@ class Publishing:
         #: The subscription: its request's id (the "version" frames carry it), the channel.
         self._request = 0
         self._channel = 0
-        #: The ring this connection was sent (a layout id), and the slots of it it has.
-        self._ring: int | None = None
-        self._sent: set[int] = set()
-        #: The last version tree this connection was sent (packed): not sent again.
-        self._tree: bytes | None = None
+        #: The rings this connection was sent (layout ids: one per part of the last version
+        #: pinned), and the slots of each it has.
+        self._sent: dict[int, set[int]] = {}
+        #: The last version tree this connection was sent per part (packed): not sent again.
+        self._trees: dict[int, bytes] = {}
+        #: Each layout's shard shapes last checked (a sharded publisher sends them with
+        #: every part, unchanged while its structure is).
+        self._shapes: dict[int, dict[str, list[int]]] = {}
         #: The newest step to announce, the last announced, and whether a send is under
         #: way: a reader that is slow to read is told the newest, never a backlog.
         self._newest: int | None = None
@@ -87,6 +98,9 @@ class Publishing:
         share = body.get("share", [])
         if not all(isinstance(gid, int) and not isinstance(gid, bool) for gid in share):
             raise RequestError(ErrorCode.BAD_REQUEST, "publish.share must be a list of gids")
+        if "parts" in body:
+            await self._publish_part(frame, staged, slot, share)
+            return
         if "job" in body:  # save(..., publish=): the committed slot, as the commit named it
             held = slot.held
             if held is None or held.job != body["job"]:
@@ -101,21 +115,7 @@ class Publishing:
             if staged.tree is not None and staged.tree[1] is tree:
                 packed_tree = staged.tree[0]
         else:
-            if slot.state is not SlotState.FILLING or slot.holder != session.id:
-                raise RequestError(
-                    ErrorCode.SLOT_NOT_OWNED,
-                    f"slot {slot.index} of layout {staged.id} is not being filled by this "
-                    "client; acquire it and copy into it before you publish it",
-                )
-            if "tree" not in body:
-                raise RequestError(ErrorCode.BAD_REQUEST, "publish of a filled slot lacks tree")
-            metadata = body.get("metadata", {})
-            # what its readers will rebuild, checked as a commit's: once per layout and tree
-            packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
-            staged.tree = (packed_tree, tree)
-            if len(metadata) > requests.MAX_METADATA_ENTRIES:
-                raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata has too many entries")
-            requests.check_json(metadata, "publish.metadata")
+            packed_tree, tree, metadata = self._filled(body, staged, slot)
         version, told = self._channels.publish(
             session.peer.uid,
             body["name"],
@@ -138,6 +138,108 @@ class Publishing:
             {"name": body["name"], "step": version.step, "subscribers": len(told)},
         )
         self._checksum(version, session.peer.uid)  # after the answer: never in the stall
+
+    def _filled(
+        self, body: dict[str, Any], staged: StagedLayout, slot: Slot
+    ) -> tuple[bytes, Any, dict[str, Any]]:
+        """A publish of a slot this connection filled: its tree (checked as a commit's,
+        once per layout and tree) and metadata."""
+        if slot.state is not SlotState.FILLING or slot.holder != self._session.id:
+            raise RequestError(
+                ErrorCode.SLOT_NOT_OWNED,
+                f"slot {slot.index} of layout {staged.id} is not being filled by this "
+                "client; acquire it and copy into it before you publish it",
+            )
+        if "tree" not in body:
+            raise RequestError(ErrorCode.BAD_REQUEST, "publish of a filled slot lacks tree")
+        metadata = body.get("metadata", {})
+        packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
+        staged.tree = (packed_tree, tree)
+        if len(metadata) > requests.MAX_METADATA_ENTRIES:
+            raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata has too many entries")
+        requests.check_json(metadata, "publish.metadata")
+        return packed_tree, tree, metadata
+
+    async def _publish_part(
+        self, frame: Frame, staged: StagedLayout, slot: Slot, share: list[int]
+    ) -> None:
+        """One rank's part of a sharded version (``channels``'s *Parts*)."""
+        body, session = frame.body, self._session
+        if "job" in body:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                "save(..., publish=) publishes one process's checkpoint; a sharded version "
+                "is published by each rank's publish of its part",
+            )
+        packed_tree, tree, metadata = self._filled(body, staged, slot)
+        shapes = self._checked_shapes(body.get("shapes", {}), staged)
+        version, told = self._channels.publish_part(
+            session.peer.uid,
+            body["name"],
+            body["step"],
+            staged,
+            slot,
+            session=session.id,
+            part=body.get("part", 0),
+            count=body["parts"],
+            within=body.get("within", DEFAULT_PART_WAIT_S),
+            tree=tree,
+            metadata=metadata,
+            shapes=shapes,
+            packed_tree=packed_tree,
+            share=share,
+        )
+        if version is not None:
+            for subscription in told:
+                subscription.notify(version.step)
+        await session.send(
+            "published",
+            frame.id,
+            {
+                "name": body["name"],
+                "step": body["step"],
+                "subscribers": len(told),
+                "visible": version is not None,
+            },
+        )
+        if version is not None:
+            for part in version.every_part:  # after the answer: never in the stall
+                self._checksum(part, session.peer.uid)
+
+    def _checked_shapes(self, shapes: Any, staged: StagedLayout) -> dict[str, list[int]]:
+        """Each shard's global shape, checked against the layout: one per tensor that has
+        offsets, none for another, and the shard inside it."""
+        if self._shapes.get(staged.id) == shapes:
+            return self._shapes[staged.id]
+        if not isinstance(shapes, dict):
+            raise RequestError(ErrorCode.BAD_REQUEST, "publish.shapes must be a map")
+        sharded = {spec.key: spec for spec in staged.layout.tensors if spec.offsets is not None}
+        if shapes.keys() != sharded.keys():
+            odd = sorted(shapes.keys() ^ sharded.keys())[:5]
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"publish.shapes must give the global shape of exactly the tensors that have "
+                f"offsets; these differ: {odd}",
+            )
+        for key, spec in sharded.items():
+            shape = shapes[key]
+            assert spec.offsets is not None
+            if (
+                not isinstance(shape, list)
+                or len(shape) != len(spec.shape)
+                or not all(type(n) is int for n in shape)
+                or any(
+                    not 0 <= at <= at + n <= whole
+                    for at, n, whole in zip(spec.offsets, spec.shape, shape, strict=True)
+                )
+            ):
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"publish.shapes[{key!r}] = {shape!r:.80}: the shard of shape "
+                    f"{list(spec.shape)} at {list(spec.offsets)} does not lie inside it",
+                )
+        self._shapes = {staged.id: shapes}
+        return shapes
 
     async def subscribe(self, frame: Frame) -> None:
         peer = self._session.peer
@@ -179,49 +281,74 @@ class Publishing:
             time.monotonic(),
         )
         version = pin.version
-        staged, slot = version.staged, version.slot
+        parts = version.every_part
+        sharded = bool(version.parts)
         try:
-            if staged.id != self._ring:  # a new ring: the reader maps its slots afresh
-                self._ring = staged.id
-                self._sent.clear()
-            send = slot.serial not in self._sent
+            # rings of earlier versions that this one does not use: the reader retires them
+            self._sent = {part.staged.id: self._sent.get(part.staged.id, set()) for part in parts}
+            entries = [self._part_entry(part, sharded) for part in parts]
             body: dict[str, Any] = {
                 "pin": pin.id,
                 "step": version.step,
                 "seconds": pin.expires - pin.granted,
-                "ring": staged.id,
-                "slot": slot.serial,
-                "segments": len(slot.segments) if send else 0,
-                "sizes": list(staged.layout.packing().sizes),
                 "metadata": version.metadata,
             }
-            if not self._sent:
-                body["tensors"] = staged.layout.to_wire()
-            tree = version.packed_tree
-            prepacked = None if tree == self._tree else {"tree": tree}
-            checksums = self._channels.checksums_of(version)
-            if checksums is not None:
-                body["checksums"] = checksums
+            prepacked = None
+            if sharded:
+                first = entries[0]
+                body.update(ring=first["ring"], slot=first["slot"], segments=0)
+                body.update(sizes=first["sizes"], parts=entries)
+            else:
+                body.update(entries[0])
+                tree = version.packed_tree
+                prepacked = None if tree == self._trees.get(0) else {"tree": tree}
             try:
                 await session.send("pinned", frame.id, body, prepacked=prepacked)
-                self._tree = tree
             except ValueError as exc:  # the structure does not fit one frame: nothing sent
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED,
                     f"version {version.step}'s structure is too large to send ({exc}); "
                     "publish fewer, larger tensors",
                 ) from None
-            if send:
-                await session.send_segments(
-                    frame.id, "ring_fds", {"pin": pin.id}, slot.segments, batch, writable=False
-                )
-                self._sent.add(slot.serial)
+            for part in parts:
+                self._trees[part.part] = part.packed_tree
+            for part, entry in zip(parts, entries, strict=True):
+                if entry["segments"]:
+                    fields = {"pin": pin.id, "part": part.part} if sharded else {"pin": pin.id}
+                    await session.send_segments(
+                        frame.id, "ring_fds", fields, part.slot.segments, batch, writable=False
+                    )
+                    self._sent[part.staged.id].add(part.slot.serial)
         except segment.SegmentError as exc:
             self._channels.unpin(session.id, pin.id)
             raise RequestError(ErrorCode.NOT_RETAINED, str(exc)) from None
         except BaseException:
             self._channels.unpin(session.id, pin.id)
             raise
+
+    def _part_entry(self, part: Version, sharded: bool) -> dict[str, Any]:
+        """What a reader needs of one part (of the version itself, unsharded) to map its
+        slot: ring, slot, segments to follow, sizes; the ring's structure the first time;
+        a sharded part's tree when it differs from the last sent, and its shapes."""
+        staged, slot = part.staged, part.slot
+        sent = self._sent[staged.id]
+        entry: dict[str, Any] = {
+            "ring": staged.id,
+            "slot": slot.serial,
+            "segments": 0 if slot.serial in sent else len(slot.segments),
+            "sizes": list(staged.layout.packing().sizes),
+        }
+        if not sent:
+            entry["tensors"] = staged.layout.to_wire()
+        checksums = self._channels.checksums_of(part)
+        if checksums is not None:
+            entry["checksums"] = checksums
+        if sharded:
+            entry["part"] = part.part
+            entry["shapes"] = part.shapes or {}
+            if part.packed_tree != self._trees.get(part.part):
+                entry["tree"] = part.tree
+        return entry
 
     async def unpin(self, frame: Frame) -> None:
         held = self._channels.unpin(self._session.id, frame.body["pin"])
@@ -243,7 +370,8 @@ class Publishing:
             if not arrived.done():
                 arrived.set_result(checksums)
 
-        known = self._channels.await_checksums(self._session.id, pin, tell)
+        part = frame.body.get("part", 0)
+        known = self._channels.await_checksums(self._session.id, pin, tell, part)
         if known is not False or not seconds:
             await self._answer_checksums(frame.id, pin, None if known is False else known)
             return

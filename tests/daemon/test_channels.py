@@ -276,3 +276,110 @@ def test_a_channels_summary_says_its_newest_step_slots_pins_and_followers() -> N
         "subscribers": 1,
         "shared_gids": [TEAM],
     }
+
+
+# -- sharded versions: parts ---------------------------------------------------------
+
+RANK1 = 5
+
+
+class Ranks(World):
+    """Two ranks of one trainer (same uid, a connection and a layout each) publishing the
+    halves of one tensor as the two parts of each version."""
+
+    def __init__(self) -> None:
+        super().__init__(slots=2)
+        self.store.open_session(RANK1, UID)
+        shard = [Layout((TensorSpec("w", "F32", (512,), (at,)),)) for at in (0, 512)]
+        refs = [[[SegmentRef(f"r{rank}-{n}", 4096)] for n in range(2)] for rank in (0, 1)]
+        self.layouts = [
+            self.store.add(session, layout, rank_refs, 8192)
+            for session, layout, rank_refs in zip((PUBLISHER, RANK1), shard, refs, strict=True)
+        ]
+
+    def part(
+        self, rank: int, step: int, count: int = 2, within: float = 60.0
+    ) -> tuple[Version | None, Slot]:
+        """What one rank does: acquire, fill, publish its part (the daemon keeps the slot)."""
+        session, staged = (PUBLISHER, RANK1)[rank], self.layouts[rank]
+        slot = self.store.try_acquire(session, staged)
+        assert slot is not None, f"rank {rank} has no free slot"
+        version, _told = self.channels.publish_part(
+            UID, "policy", step, staged, slot, session=session, part=rank, count=count,
+            within=within, tree={"w": {"T": "w"}}, metadata={"rank": rank},
+            shapes={"w": [1024]},
+        )  # fmt: skip
+        return version, slot
+
+
+def test_a_sharded_version_is_visible_only_once_every_part_arrived() -> None:
+    ranks = Ranks()
+    channel = ranks.channels.by_id[ranks.follow(PUBLISHER + 10, OWNER)]
+    version, slot0 = ranks.part(0, 1)
+    assert version is None and ranks.channels.newest(channel) is None
+    assert slot0.state is SlotState.FILLING, "a waiting part's slot stays its publisher's"
+    with pytest.raises(StoreError, match="has no version in shmstaged"):
+        ranks.channels.pin(PUBLISHER + 10, OWNER, channel.id, None, None, now=0.0)
+    version, slot1 = ranks.part(1, 1)
+    assert version is not None and ranks.channels.newest(channel) is version
+    assert [part.slot for part in version.every_part] == [slot0, slot1]
+    assert slot0.state is slot1.state is SlotState.FREE and slot1.version is version.parts[1]
+    assert version.metadata == {"rank": 0}, "the version's metadata is part 0's"
+    pin = ranks.channels.pin(PUBLISHER + 10, OWNER, channel.id, None, None, now=0.0)
+    assert slot0.pins == slot1.pins == {pin.id}, "one pin holds every part's slot"
+    ranks.channels.unpin(PUBLISHER + 10, pin.id)
+    assert ranks.freed == [slot0, slot1]
+
+
+def test_a_part_of_a_step_whose_publisher_connection_ended_is_dropped_and_its_slots_freed() -> (
+    None
+):
+    ranks = Ranks()
+    channel = ranks.channels.by_id[ranks.follow(PUBLISHER + 10, OWNER)]
+    _version, slot0 = ranks.part(0, 1)
+    ranks.channels.end_session(PUBLISHER)  # rank 0 died with its part waiting
+    assert slot0.state is SlotState.FREE and not channel.assembling
+    version, slot1 = ranks.part(1, 1)  # the other rank's part of that step: waits afresh
+    assert version is None and slot1.state is SlotState.FILLING
+    ranks.timers.fire_all()  # and is dropped once its time ran out
+    assert slot1.state is SlotState.FREE and ranks.channels.newest(channel) is None
+
+
+def test_an_unfinished_step_is_dropped_once_a_newer_one_is_visible_and_steps_only_grow() -> None:
+    ranks = Ranks()
+    channel = ranks.channels.by_id[ranks.follow(PUBLISHER + 10, OWNER)]
+    _none, stale = ranks.part(0, 1)  # rank 1's part of step 1 never comes
+    ranks.part(0, 2)
+    version, _slot = ranks.part(1, 2)
+    assert version is not None and version.step == 2
+    assert stale.state is SlotState.FREE and list(channel.assembling) == []
+    with pytest.raises(StoreError, match="step 1 of channel 'policy' is not newer than its step 2"):
+        ranks.part(1, 1)
+
+
+def test_parts_must_agree_on_their_count_and_each_comes_once() -> None:
+    ranks = Ranks()
+    ranks.part(0, 1)
+    with pytest.raises(StoreError, match="was begun as 2 parts, not 3"):
+        ranks.part(1, 1, count=3)
+    slot = ranks.store.try_acquire(PUBLISHER, ranks.layouts[0])
+    assert slot is not None
+    with pytest.raises(StoreError, match="part 0 of step 1 of channel 'policy' was already"):
+        ranks.channels.publish_part(
+            UID, "policy", 1, ranks.layouts[0], slot, session=PUBLISHER, part=0, count=2,
+            within=60.0, tree={}, metadata={}, shapes={},
+        )  # fmt: skip
+    with pytest.raises(StoreError, match="1 to 256 parts"):
+        ranks.part(1, 1, count=0)
+
+
+def test_a_part_whose_layout_was_released_meanwhile_makes_its_step_fail_and_frees_the_rest() -> (
+    None
+):
+    ranks = Ranks()
+    ranks.part(0, 1)
+    ranks.store.mark_released(ranks.layouts[0])  # rank 0 published another structure
+    with pytest.raises(StoreError, match=r"the slot of part\(s\) \[0\] was given up") as failed:
+        ranks.part(1, 1)
+    assert failed.value.code is ErrorCode.NOT_RETAINED
+    assert all(slot.state is SlotState.FREE for slot in ranks.layouts[1].slots)
