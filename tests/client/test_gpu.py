@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -495,3 +496,142 @@ def test_a_restart_that_prepares_first_restores_through_the_staging_made_meanwhi
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["memory", "True", "shmstage-staging"]
     assert_same({k: v.cuda() for k, v in torch.load(out).items()}, state)
+
+
+# -- gathering small tensors on the device before their copy to the host (save.gather) --
+
+_GATHER_DTYPES = [
+    torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool,
+    torch.float64, torch.int32, torch.float8_e4m3fn,
+]
+
+
+def _many_small(count: int, seed: int) -> dict[str, torch.Tensor]:
+    """``count`` CUDA tensors of every dtype, 0 B to ~16 KiB, a few of 2 MiB (direct), one
+    empty, about one in ten strided (column-major, or every other column of a wider one),
+    filled with random bytes (NaN payloads included: the copies must keep every bit)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sizes = torch.randint(1, 2048, (count,), generator=gen, device="cuda").tolist()
+    state = {}
+    for i, elements in enumerate(sizes):
+        dtype = _GATHER_DTYPES[i % len(_GATHER_DTYPES)]
+        if i == 5:
+            shape: tuple[int, ...] = (0, 3)
+        elif i % 10007 == 11:
+            shape = (1024, 512)  # over the gather threshold for any dtype but one byte
+        else:
+            shape = (max(1, elements // 4), 4)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
+        tensor = raw.view(dtype).view(shape) if dtype != torch.bool else (raw > 127).view(shape)
+        if i % 10 == 3 and tensor.numel():
+            tensor = tensor.t().contiguous().t()
+        elif i % 10 == 7 and tensor.numel():
+            wide = torch.zeros((shape[0], shape[1] * 2), dtype=dtype, device="cuda")
+            wide[:, ::2] = tensor
+            tensor = wide[:, ::2]
+        state[f"t{i:06d}"] = tensor
+    return state
+
+
+def _rewrite(tensors: Iterable[torch.Tensor], seed: int) -> None:
+    """New random bytes into every tensor, in place, through its own strides."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.itemsize
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
+        fresh = raw > 127 if tensor.dtype == torch.bool else raw.view(tensor.dtype)
+        tensor.copy_(fresh.view(tensor.shape))
+
+
+def test_gather_saves_100k_mixed_small_cuda_tensors_bit_exact_within_the_scratch_bound(
+    daemon, ckpt: Path
+) -> None:
+    """100,000 tensors of nine dtypes, strided ones and an empty one among them: two saves
+    (the second after every tensor changed in place, so each is its own save's bytes) land
+    bit-exact, through the gather (small ones in batches, large ones direct), and the
+    device never holds more than the bound for it."""
+    bound = 8 << 20
+    state = _many_small(100_000, seed=7)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with Stager(daemon.socket, slots=2, gather_bytes=bound) as stager:
+        stager.save(state, ckpt / "a").wait(300)  # allocates the scratch
+        peak = torch.cuda.max_memory_allocated() - before
+        kept = torch.cuda.memory_allocated() - before
+        want_a = _on_cpu(state)
+        _rewrite(state.values(), seed=8)
+        want_b = _on_cpu(state)
+        stager.save(state, ckpt / "b").wait(300)
+        peak = max(peak, torch.cuda.max_memory_allocated() - before)
+        gatherer = stager._copier._gatherer
+        [prepared] = gatherer._prepared.values()
+        gathered = sum(len(r.members) for b in prepared.plan.batches for r in b.runs)
+    assert gathered > 90_000, f"only {gathered} of 100,000 tensors were gathered"
+    assert len(prepared.plan.direct) >= 9  # the large ones (and lone ones) go direct
+    assert 0 < kept <= bound, f"the scratch kept is {kept} bytes"
+    assert peak <= bound + (1 << 20), f"the saves held {peak} bytes of device memory"
+    assert_same(load(ckpt / "a"), want_a)
+    assert_same(load(ckpt / "b"), want_b)
+
+
+def test_gather_of_a_guarded_non_blocking_save_is_the_state_at_the_call(
+    daemon, ckpt: Path
+) -> None:
+    """Thousands of small parameters and their AdamW state, saved with block=False after
+    every step and the next step queued at once: the gathered copy read every source
+    before the step rewrote it (the step's stream waits for the one event), and each
+    checkpoint is the state at its call."""
+    torch.manual_seed(0)
+    params = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(int(n), device="cuda"))
+        for n in torch.randint(1, 3000, (3000,))
+    )
+    optimizer = torch.optim.AdamW(params.parameters(), lr=1e-2, fused=True)
+
+    def step(seed: int) -> None:
+        torch.manual_seed(seed)
+        sum((p * torch.randn_like(p)).sum() for p in params).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)
+    wants, handles = [], []
+    with Stager(daemon.socket, slots=2, gather_bytes=1 << 20) as stager:
+        stager.guard(optimizer)
+        for i in range(6):
+            state = {"model": params.state_dict(), "optim": optimizer.state_dict()}
+            torch.cuda.current_stream().synchronize()
+            wants.append(_on_cpu(state))
+            torch.cuda._sleep(int(2e8))  # the copy waits behind the caller's stream
+            handles.append(stager.save(state, ckpt / f"s{i}", block=False))
+            step(i + 1)
+        for handle in handles:
+            handle.wait(120)
+        assert any(p.plan.batches for p in stager._copier._gatherer._prepared.values())
+    for handle, want in zip(handles, wants, strict=True):
+        assert_same(load(handle.path), want)
+
+
+def test_gather_falls_back_to_direct_copies_with_one_warning_when_its_scratch_cannot_be_had(
+    daemon, ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The process's CUDA memory is capped just above what it holds (a real allocation
+    failure): the scratch is refused, the save copies each tensor directly, bit-exact,
+    and says so once."""
+    state = {f"w{i}": torch.randn(2000, device="cuda") for i in range(2000)}  # 16 MB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction((reserved + (2 << 20)) / total)
+    try:
+        with Stager(daemon.socket, gather_bytes=64 << 20) as stager:
+            stager.save(state, ckpt / "a").wait(60)
+            stager.save(state, ckpt / "b").wait(60)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    warned = [r for r in caplog.records if "to gather small tensors" in r.getMessage()]
+    assert len(warned) == 1
+    assert_same(load(ckpt / "b"), _on_cpu(state))

@@ -25,7 +25,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -34,6 +34,7 @@ from shmstage.layout import Layout
 from shmstage_client.dtypes import FROM_SAFETENSORS
 from shmstage_client.pinning import PIN_FAILURES, PinnedRanges, prefault, try_pin
 from shmstage_client.save.deferred_copy import CopyGroup, DeferredCopy, StreamCopy, ThreadCopy
+from shmstage_client.save.gather import Gatherer, gather_bytes_from_env, pick
 
 if TYPE_CHECKING:
     from shmstage_client.statedict import Signature
@@ -336,23 +337,33 @@ class CopyEngine:
     """Copies sources into slot views, keeping one side stream per CUDA device and, for CPU
     copies that a non-blocking save defers, one copy thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather_bytes: int | None = None) -> None:
+        """``gather_bytes``: the bound on each device's scratch for gathering small tensors
+        (``gather``; None: ``SHMSTAGE_GATHER_BYTES``, default 64 MiB; 0: never gather)."""
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        if gather_bytes is None:
+            gather_bytes = gather_bytes_from_env()
+        elif gather_bytes < 0:
+            raise ValueError(f"gather_bytes={gather_bytes}: use a bound in bytes, or 0 for none")
+        self._gatherer = Gatherer(gather_bytes)
 
     def copy(
         self,
         destinations: Sequence[torch.Tensor],
         sources: Sequence[torch.Tensor],
         groups: Mapping[torch.device, Sequence[int]] | None = None,
+        layout: Layout | None = None,
     ) -> None:
         """Copy every source into its slot view; returns when every byte has landed.
 
         Each device's tensors are one ``_foreach_copy_`` call: at 10,000 tensors a Python
         loop of ``copy_`` costs more than the bytes do. ``groups`` (``device_groups`` of
         the sources, which the Stager keeps per layout) saves looking at every device again.
+        ``layout``: the slot's, where the views lie in it; with it, a CUDA device's small
+        tensors are gathered on the device and reach the host a range at a time (``gather``).
         """
-        self.start(destinations, sources, groups, None)
+        self.start(destinations, sources, groups, None, layout)
 
     def start(
         self,
@@ -360,6 +371,7 @@ class CopyEngine:
         sources: Sequence[torch.Tensor],
         groups: Mapping[torch.device, Sequence[int]] | None,
         deferred: Sequence[bool] | None,
+        layout: Layout | None = None,
     ) -> DeferredCopy | None:
         """Copy every source into its slot view: those not ``deferred`` before returning, the
         others in the background — CUDA ones on the side stream, CPU ones on the copy thread.
@@ -380,12 +392,13 @@ class CopyEngine:
                 for device, indices in groups.items():
                     now, later = _split(indices, deferred)
                     if device.type == "cuda":
-                        self._from_cuda(device, destinations, sources, now, later, eager, parts)
+                        copy = _CudaCopy(device, layout, destinations, sources)
+                        self._from_cuda(copy, now, later, eager, parts)
                         continue
                     if later:
                         parts.append(self._on_copy_thread(destinations, sources, later))
                     if now:
-                        torch._foreach_copy_(*_pick(destinations, sources, now))
+                        torch._foreach_copy_(*pick(destinations, sources, now))
             for event in eager:
                 event.synchronize()  # one event per device, never torch.cuda.synchronize()
         except BaseException:
@@ -398,28 +411,30 @@ class CopyEngine:
 
     def _from_cuda(
         self,
-        device: torch.device,
-        destinations: Sequence[torch.Tensor],
-        sources: Sequence[torch.Tensor],
+        copy: _CudaCopy,
         now: Sequence[int],
         later: Sequence[int],
         eager: list[torch.cuda.Event],
         parts: list[DeferredCopy],
     ) -> None:
+        device = copy.device
         side = self._streams.get(device)
         if side is None:
             side = self._streams[device] = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # caller's pending writes first
         with torch.cuda.stream(side):
+            # The scratch is allocated, filled and read on this stream alone: the next
+            # gather into it waits for the last copy out of it by stream order.
             if now:
-                torch._foreach_copy_(*_pick(destinations, sources, now), non_blocking=True)
+                self._gatherer.copy(*copy, now, "now")
                 eager.append(side.record_event())
             if later:
-                dsts, srcs = _pick(destinations, sources, later)
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                self._gatherer.copy(*copy, later, "later")
                 event = torch.cuda.Event(blocking=True)  # its host wait sleeps, not spins
                 side.record_event(event)
-                parts.append(StreamCopy(device, event, srcs))
+                srcs = [copy.sources[i] for i in later]  # kept alive until the copy read them
+                nbytes = _pass_bytes(copy.layout, later)
+                parts.append(StreamCopy(device, event, srcs, nbytes))
 
     def _on_copy_thread(
         self,
@@ -427,7 +442,7 @@ class CopyEngine:
         sources: Sequence[torch.Tensor],
         indices: Sequence[int],
     ) -> ThreadCopy:
-        dsts, srcs = _pick(destinations, sources, indices)
+        dsts, srcs = pick(destinations, sources, indices)
         nbytes = sum(t.numel() * t.element_size() for t in srcs)
         return ThreadCopy(self.copy_thread().submit(_copy_on_host, dsts, srcs), nbytes)
 
@@ -441,10 +456,28 @@ class CopyEngine:
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the copy thread once the copies queued on it are done (``wait``), or let
-        it finish them on its own."""
+        it finish them on its own; drop the gathering scratch."""
         if self._thread is not None:
             self._thread.shutdown(wait=wait)
             self._thread = None
+        self._gatherer.close()
+
+
+class _CudaCopy(NamedTuple):
+    """What one device's copies of a save need (``Gatherer.copy``'s first arguments)."""
+
+    device: torch.device
+    layout: Layout | None
+    destinations: Sequence[torch.Tensor]
+    sources: Sequence[torch.Tensor]
+
+
+def _pass_bytes(layout: Layout | None, indices: Sequence[int]) -> int | None:
+    """The bytes of the tensors at ``indices`` from the layout's sizes (None: no layout)."""
+    if layout is None:
+        return None
+    sizes = layout.sizes
+    return sum(sizes[i] for i in indices)
 
 
 def _split(
@@ -454,14 +487,6 @@ def _split(
     if deferred is None:
         return indices, []
     return [i for i in indices if not deferred[i]], [i for i in indices if deferred[i]]
-
-
-def _pick(
-    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], indices: Sequence[int]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    if len(indices) == len(sources):  # the common case: one device, nothing deferred
-        return list(destinations), list(sources)
-    return [destinations[i] for i in indices], [sources[i] for i in indices]
 
 
 def _copy_on_host(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -104,6 +104,10 @@ class Stager:
 
     ``guard(optimizer)`` lets ``save(..., block=False)`` copy that optimizer's parameters and
     state behind the next forward and backward (see ``save``).
+
+    ``gather_bytes``: the most device memory per CUDA device that gathering small tensors
+    before their copy to the host may hold (None: ``SHMSTAGE_GATHER_BYTES``, default 64 MiB;
+    0: copy every tensor on its own; see ``save.gather``).
     """
 
     def __init__(
@@ -117,11 +121,12 @@ class Stager:
         data_file: str = DEFAULT_DATA_FILE,
         pin: bool | str = "auto",
         progress: ProgressCallback | None = None,
+        gather_bytes: int | None = None,
     ) -> None:
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin={pin!r}: use True, False or 'auto'")
         self.pin = pin
-        self._copier = CopyEngine()
+        self._copier = CopyEngine(gather_bytes)
         check_data_file(data_file)
         self.slots = slots
         self.wait_for_slot = wait_for_slot
@@ -441,11 +446,12 @@ class Stager:
         try:
             sources = flat.tensors
             slot, groups = staged.mapped.slots[staged.slot], staged.mapped.groups
+            layout = staged.mapped.layout
             deferred = None if block else self._deferrable(sources)
             if deferred is None:
-                self._copier.copy(slot, sources, groups)
+                self._copier.copy(slot, sources, groups, layout)
                 return None
-            return self._copier.start(slot, sources, groups, deferred)
+            return self._copier.start(slot, sources, groups, deferred, layout)
         except BaseException:
             staged.abandon(early)
             raise

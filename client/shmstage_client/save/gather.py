@@ -1,0 +1,432 @@
+"""Gathering small CUDA tensors on their device, then one device-to-host copy per range.
+
+A copy from a CUDA tensor into a slot view is one ``cudaMemcpyAsync`` — about 5 µs to
+launch whatever its size — so 100,000 tensors of 1-64 KiB cost 0.5 s of launches for
+1 GiB that the link moves in 20 ms. The slot already lays small tensors out back to back:
+a packed segment holds them in layout order, each at a 64-byte boundary (``shmstage.
+packing``). So the tensors of such a run are first copied device-to-device into a scratch
+buffer laid out exactly like their host bytes — views of the scratch at the host offsets,
+one ``_foreach_copy_`` per dtype, which ``multi_tensor_apply`` runs as a few kernels of
+dozens of tensors each — and then the run's whole byte range goes to the host in one copy.
+
+Planning (``plan``) is pure and cached per layout, device and pass; it decides which
+tensors, which ranges and where in the scratch, from the layout's sizes and places alone.
+It caches nothing of the sources but whether each was contiguous when the plan was made,
+which only picks between ``_foreach_copy_``'s batched kernel and its per-tensor fallback:
+both copy a source through its own strides, so a source whose strides changed since is
+still copied exactly — in its batch's slower path (see ``Gatherer``).
+
+Bounds and order: the scratch of a device is at most ``gather_bytes`` (``SHMSTAGE_GATHER_BYTES``,
+default 64 MiB, 0: never gather), allocated on first need on the side stream, sized to the
+largest batch, and kept: all of a device's gathers and the copies out of its scratch run on
+the one side stream, so stream order alone keeps a batch from overwriting the scratch
+before the previous batch's copy to the host has read it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from shmstage.layout import Layout
+from shmstage.packing import PACK_ALIGN, PACK_BELOW
+
+log = logging.getLogger("shmstage.client")
+
+#: The environment variable that bounds the scratch per device, in bytes (0: no gathering).
+GATHER_BYTES_ENV: Final = "SHMSTAGE_GATHER_BYTES"
+#: The default bound: one packed segment's worth (``PACK_BYTES``).
+DEFAULT_GATHER_BYTES: Final = 64 << 20
+#: Tensors under this size are gathered: only they share segments with others, and under it
+#: a copy's launch costs as much as its bytes or more. Larger ones keep their direct copy.
+GATHER_BELOW: Final = PACK_BELOW
+#: Two neighbours in a run are at most this far apart: the padding packing leaves, no more.
+MAX_GAP: Final = PACK_ALIGN
+#: Runs sit in the scratch at this alignment (plus their host offset's remainder), so that
+#: each view there has its host view's alignment, at least that of any dtype.
+SCRATCH_ALIGN: Final = PACK_ALIGN
+#: Scratch sizes are rounded up to this, so that a slightly larger plan reuses the scratch.
+SCRATCH_GRAIN: Final = 1 << 20
+#: Plans kept per engine (each holds a view of the scratch per gathered tensor).
+MAX_PLANS: Final = 8
+#: Dtypes never gathered: a lazily conjugated complex source must be resolved by ``copy_``,
+#: which the batched kernel would not do.
+_NEVER_GATHERED: Final = frozenset({torch.complex64, torch.complex128, torch.complex32})
+
+
+def gather_bytes_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The scratch bound ``SHMSTAGE_GATHER_BYTES`` sets (default 64 MiB; 0 turns it off)."""
+    env = os.environ if environ is None else environ
+    text = env.get(GATHER_BYTES_ENV, "").strip()
+    if not text:
+        return DEFAULT_GATHER_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"{GATHER_BYTES_ENV}={text!r}: give the scratch bound per device in bytes "
+            f"(0 turns gathering off; the default is {DEFAULT_GATHER_BYTES})"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Tensors whose host bytes follow each other in one segment, padding apart."""
+
+    #: Layout positions, in order.
+    members: tuple[int, ...]
+    #: Each member's byte offset from the run's start (the first is 0).
+    offsets: tuple[int, ...]
+    #: From the first member's first byte to the last member's last.
+    nbytes: int
+    #: The first member's byte offset in its segment (for the scratch's alignment).
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Runs gathered into the scratch together, each at ``at`` there."""
+
+    runs: tuple[Run, ...]
+    at: tuple[int, ...]
+    #: Scratch bytes this batch uses (from 0).
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one pass copies its tensors: ``batches`` gathered, ``direct`` one copy each."""
+
+    batches: tuple[Batch, ...]
+    direct: tuple[int, ...]
+
+    @property
+    def scratch_bytes(self) -> int:
+        return max((batch.nbytes for batch in self.batches), default=0)
+
+
+def plan(
+    indices: Sequence[int],
+    sizes: Sequence[int],
+    places: Sequence[tuple[int, int]],
+    gatherable: Sequence[bool],
+    limit: int,
+) -> Plan:
+    """Which of the tensors at ``indices`` (layout positions, in order) are gathered, in
+    which runs and batches; the others are ``direct``, and empty ones are left out.
+
+    Two tensors share a run only if nothing with bytes lies between them in the layout
+    (a run's copy to the host covers its padding, so it must cover no other tensor's
+    bytes: that tensor may be on another device, on the host, or in the other pass), they
+    are in the same segment, at most ``MAX_GAP`` apart, and the run fits in ``limit``
+    bytes of scratch. A run of one tensor gains nothing: it goes direct.
+    """
+    # nonzero[k]: tensors with bytes before position k; i and j > i are neighbours in the
+    # host layout exactly when nonzero[j] == nonzero[i] + 1.
+    nonzero = list(itertools.accumulate(map(bool, sizes), initial=0))
+    runs: list[Run] = []
+    direct: list[int] = []
+    members: list[int] = []
+    offsets: list[int] = []
+    segment = start = end = 0
+
+    def close() -> None:
+        if len(members) > 1:
+            runs.append(Run(tuple(members), tuple(offsets), end - start, start))
+        else:
+            direct.extend(members)
+        members.clear()
+        offsets.clear()
+
+    for index in indices:
+        size = sizes[index]
+        if not size:
+            continue
+        which, offset = places[index]
+        if not gatherable[index] or offset % SCRATCH_ALIGN + size > limit:
+            close()
+            direct.append(index)
+            continue
+        if (
+            members
+            and which == segment
+            and nonzero[index] == nonzero[members[-1]] + 1
+            and end <= offset < end + MAX_GAP
+            and offset + size - start + start % SCRATCH_ALIGN <= limit
+        ):
+            members.append(index)
+            offsets.append(offset - start)
+            end = offset + size
+            continue
+        close()
+        members.append(index)
+        offsets.append(0)
+        segment, start, end = which, offset, offset + size
+    close()
+    return Plan(_batches(runs, limit), tuple(sorted(direct)))
+
+
+def _batches(runs: Sequence[Run], limit: int) -> tuple[Batch, ...]:
+    """Runs in order, as many in each batch as fit in ``limit`` bytes of scratch."""
+    batches: list[Batch] = []
+    current: list[Run] = []
+    at: list[int] = []
+    used = 0
+    for run in runs:
+        place = _align(used, run.start)
+        if current and place + run.nbytes > limit:
+            batches.append(Batch(tuple(current), tuple(at), used))
+            current, at, used = [], [], 0
+            place = _align(0, run.start)
+        current.append(run)
+        at.append(place)
+        used = place + run.nbytes
+    if current:
+        batches.append(Batch(tuple(current), tuple(at), used))
+    return tuple(batches)
+
+
+def _align(position: int, start: int) -> int:
+    """The first place at or after ``position`` with ``start``'s remainder modulo
+    ``SCRATCH_ALIGN``: a view there is aligned as its host view is."""
+    base = -(-position // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return base + start % SCRATCH_ALIGN
+
+
+def gatherable(layout: Layout, dtypes: Sequence[torch.dtype]) -> list[bool]:
+    """Per layout position: small enough to gather, and of a dtype the batched kernel copies
+    exactly as ``copy_`` does."""
+    return [
+        0 < size < GATHER_BELOW and dtype not in _NEVER_GATHERED
+        for size, dtype in zip(layout.sizes, dtypes, strict=True)
+    ]
+
+
+def pick(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], indices: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The destinations and sources at ``indices``, as ``_foreach_copy_`` takes them."""
+    if len(indices) == len(sources):  # the common case: one device, nothing deferred
+        return list(destinations), list(sources)
+    return [destinations[i] for i in indices], [sources[i] for i in indices]
+
+
+#: Picks the tensors at some positions out of a list (a tuple, in one C call).
+Picker = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+
+
+def picker(positions: Sequence[int]) -> Picker:
+    if len(positions) == 1:
+        only = positions[0]
+        return lambda tensors: (tensors[only],)
+    return operator.itemgetter(*positions)
+
+
+@dataclass
+class _Group:
+    """One ``_foreach_copy_`` of a batch: scratch views and where their sources are."""
+
+    views: list[torch.Tensor]
+    sources: Picker
+
+
+@dataclass
+class _Prepared:
+    """A plan with its scratch views, for one layout, device and pass."""
+
+    layout: Layout
+    indices: list[int]
+    plan: Plan
+    scratch: torch.Tensor | None
+    #: Per batch: its copies into the scratch.
+    groups: list[list[_Group]]
+    direct: Picker | None
+
+
+class Gatherer:
+    """Copies a device's tensors into slot views, gathering small ones through a bounded
+    scratch on that device (see the module docstring). Call ``copy`` with the side stream
+    current: every operation here is queued on it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit - limit % SCRATCH_ALIGN  # a whole number of any dtype's elements
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._failed: set[torch.device] = set()
+        self._warned = False
+        self._prepared: dict[tuple[int, torch.device, str], _Prepared] = {}
+
+    def copy(
+        self,
+        device: torch.device,
+        layout: Layout | None,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        what: str,
+    ) -> None:
+        """Queue the copy of ``sources[i]`` into ``destinations[i]`` for each ``i`` in
+        ``indices`` (all on ``device``). ``layout`` says where each destination lies in its
+        slot (None: copy each directly); ``what`` names the pass (its plan is kept apart)."""
+        prepared = None
+        if layout is not None and self.limit > 0 and device not in self._failed:
+            prepared = self._prepare(device, layout, destinations, sources, indices, what)
+        if prepared is None:
+            torch._foreach_copy_(*pick(destinations, sources, indices), non_blocking=True)
+            return
+        scratch = prepared.scratch
+        for batch, groups in zip(prepared.plan.batches, prepared.groups, strict=True):
+            assert scratch is not None
+            scratch[: batch.nbytes].zero_()  # the padding the host gets is zeros, never stale
+            for group in groups:
+                torch._foreach_copy_(group.views, group.sources(sources), non_blocking=True)
+            for run, at in zip(batch.runs, batch.at, strict=True):
+                host = host_range(destinations, run)
+                host.copy_(scratch[at : at + run.nbytes], non_blocking=True)
+        if prepared.direct is not None:
+            dsts = prepared.direct(destinations)
+            torch._foreach_copy_(dsts, prepared.direct(sources), non_blocking=True)
+
+    def _prepare(
+        self,
+        device: torch.device,
+        layout: Layout,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        what: str,
+    ) -> _Prepared | None:
+        """The kept plan for this layout, device and pass, or a new one (None: gathering
+        failed to get its scratch, so copy directly)."""
+        key = (id(layout), device, what)
+        kept = self._prepared.get(key)
+        if (
+            kept is not None
+            and kept.layout is layout
+            and (kept.indices is indices or kept.indices == indices)
+            and (kept.scratch is None or kept.scratch is self._scratch.get(device))
+        ):
+            return kept
+        self._prepared.pop(key, None)
+        dtypes = [t.dtype for t in destinations]
+        made = plan(
+            indices, layout.sizes, layout.packing().places, gatherable(layout, dtypes), self.limit
+        )
+        scratch = None
+        if made.batches:
+            scratch = self._scratch_for(device, made.scratch_bytes)
+            if scratch is None:
+                return None
+        prepared = _Prepared(
+            layout,
+            list(indices),
+            made,
+            scratch,
+            [] if scratch is None else _groups(made, scratch, destinations, sources),
+            picker(made.direct) if made.direct else None,
+        )
+        while len(self._prepared) >= MAX_PLANS:
+            del self._prepared[next(iter(self._prepared))]
+        self._prepared[key] = prepared
+        return prepared
+
+    def _scratch_for(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
+        """This device's scratch, at least ``nbytes`` (and at most ``limit``), or None once
+        allocating it failed: gathering is then off for the device, with one warning — a
+        retry at every save would run the caching allocator out of its cached blocks."""
+        have = self._scratch.get(device)
+        if have is not None and have.numel() >= nbytes:
+            return have
+        size = min(self.limit, -(-nbytes // SCRATCH_GRAIN) * SCRATCH_GRAIN)
+        # The smaller scratch goes first (with the plans viewing it): never both at once.
+        self._scratch.pop(device, None)
+        for key in [key for key in self._prepared if key[1] == device]:
+            del self._prepared[key]
+        del have
+        try:
+            made = torch.empty(size, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            self._failed.add(device)
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "cannot allocate %d bytes on %s to gather small tensors (%s); copying "
+                    "each directly from now on (lower %s to fit, or 0 to turn gathering off)",
+                    size,
+                    device,
+                    str(exc).splitlines()[0],
+                    GATHER_BYTES_ENV,
+                )
+            return None
+        self._scratch[device] = made
+        return made
+
+    def close(self) -> None:
+        """Drop the scratch buffers and plans (queued copies keep what they use alive)."""
+        self._prepared.clear()
+        self._scratch.clear()
+
+
+def _groups(
+    made: Plan,
+    scratch: torch.Tensor,
+    destinations: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+) -> list[list[_Group]]:
+    """Per batch, one copy per dtype and contiguity: ``_foreach_copy_`` batches a list only
+    when every source has one dtype and its view's strides, else it copies tensor by
+    tensor, so one strided source must not cost a whole batch its kernels. (Views are
+    made a group at a time through ``map``: at 100,000 tensors, this is the plan's cost.)"""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    result = []
+    for batch in made.batches:
+        members = [m for run in batch.runs for m in run.members]
+        places = [at + o for run, at in zip(batch.runs, batch.at, strict=True) for o in run.offsets]
+        dsts = [destinations[m] for m in members]
+        contiguous = map(torch.Tensor.is_contiguous, [sources[m] for m in members])
+        lists: dict[tuple[torch.dtype, bool], tuple[list[int], list[torch.Tensor], list[int]]]
+        lists = {}
+        for member, dst, place, flat in zip(members, dsts, places, contiguous, strict=True):
+            positions, views, starts = lists.setdefault((dst.dtype, flat), ([], [], []))
+            positions.append(member)
+            views.append(dst)
+            starts.append(place)
+        groups = []
+        for (dtype, _), (positions, views, starts) in lists.items():
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = scratch.view(dtype)
+            size = dtype.itemsize
+            shapes = map(torch.Tensor.size, views)
+            strides = map(torch.Tensor.stride, views)
+            offsets = [start // size for start in starts]
+            views = list(map(base.as_strided, shapes, strides, offsets))
+            groups.append(_Group(views, picker(positions)))
+        result.append(groups)
+    return result
+
+
+def host_range(destinations: Sequence[torch.Tensor], run: Run) -> torch.Tensor:
+    """The bytes of ``run`` in the slot, from its first member's view to its last's end.
+
+    Checked against the last member's address: the plan came from the layout's packing,
+    and a slot laid out otherwise must fail here rather than receive bytes out of place.
+    """
+    first, last = destinations[run.members[0]], destinations[run.members[-1]]
+    if last.data_ptr() - first.data_ptr() != run.offsets[-1]:
+        raise ValueError(
+            f"slot views of tensors {run.members[0]}..{run.members[-1]} are not laid out as "
+            "the layout's packing places them; this is a bug in shmstage, please report it"
+        )
+    offset = first.storage_offset() * first.itemsize
+    whole = torch.empty(0, dtype=torch.uint8)
+    return whole.set_(first.untyped_storage(), offset, (run.nbytes,), (1,))
