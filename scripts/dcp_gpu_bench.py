@@ -33,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import bench_cli
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -49,10 +50,7 @@ METHODS = ("shmstage", "dcp-filesystem")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available"
-    )
+    parser = bench_cli.parser_for(__doc__)
     parser.add_argument("--dim", type=int, default=8192, help="width of each square layer")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument(
@@ -62,43 +60,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parameter dtype (AdamW state follows it)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="steady-state saves per method")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument(
-        "--dir",
-        default="/tmp/shmstage-dcp-bench",
-        help="checkpoints (removed after each save); shared by all ranks",
+    bench_cli.add_rank_options(
+        parser,
+        METHODS,
+        directory="/tmp/shmstage-dcp-bench",
+        timeout=1800.0,
+        device_help="default: cuda when available",
+        dir_help="checkpoints (removed after each save); shared by all ranks",
+        daemon_help="start a shmstaged per node for the run",
     )
-    parser.add_argument("--socket", default=None, help="this node's shmstaged socket")
-    parser.add_argument(
-        "--start-daemon", action="store_true", help="start a shmstaged per node for the run"
-    )
-    parser.add_argument("--slots", type=int, default=1)
-    parser.add_argument("--json", default=None, help="write the report here (rank 0)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="per save, seconds")
-    args = parser.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    return args
+    return bench_cli.parse_rank_options(parser, METHODS, argv)
 
 
 def init_distributed(device: str, timeout: float) -> dist.ProcessGroup:
     """NCCL (or gloo on CPU) for training; a separate gloo group for DCP, as DCP advises."""
-    if "RANK" not in os.environ:  # not under torchrun: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timedelta(seconds=timeout))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    bench_cli.init_distributed(device, timeout)
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
 
 

@@ -29,37 +29,27 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_cli
 import torch
 
 METHODS = ("trainer-default", "shmstage")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
-    parser.add_argument("--layers", type=int, default=18)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--save-every", type=int, default=25)
-    parser.add_argument("--saves", type=int, default=4, help="per method, the first included")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--out", default=None, help="where checkpoints go (default: a temp dir)")
-    parser.add_argument("--socket", default=None, help="a running shmstaged (default: start one)")
-    parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args(argv)
-    if args.tiny:
-        args.layers, args.hidden, args.intermediate, args.heads = 2, 64, 128, 4
-        args.vocab, args.seq, args.batch, args.save_every, args.saves = 256, 32, 2, 3, 3
-    return args
+    parser = bench_cli.parser_for(__doc__)
+    bench_cli.add_sizes(
+        parser, layers=18, hidden=2048, intermediate=5632, heads=16, vocab=32000, seq=1024, batch=4
+    )
+    bench_cli.add_trainer_options(parser, METHODS, save_every=25, saves=4)
+    bench_cli.add_output_options(parser, "a temp dir")
+    return bench_cli.shrink_if_tiny(
+        parser.parse_args(argv), layers=2, hidden=64, intermediate=128, heads=4, vocab=256,
+        seq=32, batch=2, save_every=3, saves=3,
+    )  # fmt: skip
 
 
 class StepClock:
@@ -179,17 +169,7 @@ def run_method(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hf-bench-"))
-    out.mkdir(parents=True, exist_ok=True)
-    daemon = None
-    socket = args.socket
-    if "shmstage" in args.methods and socket is None:
-        from shmstage_bench.daemon import PrivateDaemon
-
-        daemon = PrivateDaemon()
-        socket = daemon.start()
-    try:
+    with bench_cli.trainer_run(args, "hf-bench-") as (device, out, socket):
         model = build_model(args, device)
         params = sum(p.numel() for p in model.parameters())
         state_gib = params * 4 * 3 / 2**30  # fp32 weights + AdamW's two moments
@@ -220,11 +200,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2))
-    finally:
-        if daemon is not None:
-            daemon.stop()
-        if not args.out:
-            shutil.rmtree(out, ignore_errors=True)
     return 0
 
 

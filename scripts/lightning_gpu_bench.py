@@ -32,44 +32,33 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_cli
 import torch
 
 METHODS = ("default", "async", "shmstage", "shmstage-nonblocking")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--ffn", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--save-every", type=int, default=20)
-    parser.add_argument("--saves", type=int, default=3, help="per method, the first included")
+    parser = bench_cli.parser_for(__doc__)
+    bench_cli.add_sizes(
+        parser, dim=2048, layers=20, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=1024, batch=8
+    )
+    bench_cli.add_trainer_options(parser, METHODS, save_every=20, saves=3)
     parser.add_argument("--warmup", type=int, default=5, help="steps before the first save")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--slots", type=int, default=2, help="shmstage staging slots")
-    parser.add_argument("--out", default=None, help="where checkpoints go (default: /var/tmp)")
-    parser.add_argument("--socket", default=None, help="a running shmstaged (default: start one)")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    bench_cli.add_output_options(parser, "/var/tmp")
     parser.add_argument(
         "--no-fsdp1-check", action="store_true",
         help="skip the ShmStageFSDPStrategy save-and-resume check (GPU only)",
     )  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.tiny:
-        args.dim, args.layers, args.heads, args.kv_heads, args.ffn = 64, 2, 4, 2, 128
-        args.vocab, args.seq, args.batch, args.save_every, args.warmup = 256, 32, 2, 3, 2
-    return args
+    return bench_cli.shrink_if_tiny(
+        parser.parse_args(argv), dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256,
+        seq=32, batch=2, save_every=3, warmup=2,
+    )  # fmt: skip
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -250,17 +239,8 @@ def fsdp1_check(out: Path, socket: str | None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    out = Path(args.out or tempfile.mkdtemp(prefix="lightning-bench-", dir="/var/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    daemon = None
-    socket = args.socket
-    if any(m.startswith("shmstage") for m in args.methods) and socket is None:
-        from shmstage_bench.daemon import PrivateDaemon
-
-        daemon = PrivateDaemon()
-        socket = daemon.start()
-    try:
+    run = bench_cli.trainer_run(args, "lightning-bench-", parent="/var/tmp")
+    with run as (device, out, socket):
         cfg = model_config(args)
         card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         print(
@@ -304,11 +284,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2))
-    finally:
-        if daemon is not None:
-            daemon.stop()
-        if not args.out:
-            shutil.rmtree(out, ignore_errors=True)
     return 0
 
 

@@ -35,15 +35,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import bench_cli
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -55,45 +54,14 @@ METHODS = TITAN_METHODS + SHMSTAGE_METHODS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=2)
+    parser = bench_cli.parser_for(__doc__)
+    bench_cli.add_sizes(parser, dim=2048, layers=16, vocab=32000, seq=2048, batch=2)
     parser.add_argument("--gap", type=int, default=3, help="plain steps before each save")
     parser.add_argument("--saves", type=int, default=2, help="steady-state saves per method")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--dir", default="/tmp/shmstage-torchtitan-bench")
-    parser.add_argument("--socket", default=None, help="this node's shmstaged socket")
-    parser.add_argument("--start-daemon", action="store_true")
-    parser.add_argument("--slots", type=int, default=1)
-    parser.add_argument("--json", default=None, help="write the report here (rank 0)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="per save, seconds")
-    args = parser.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    return args
-
-
-def init_distributed(device: str, timeout: float) -> None:
-    if "RANK" not in os.environ:  # not under torchrun: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timedelta(seconds=timeout))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    bench_cli.add_rank_options(
+        parser, METHODS, directory="/tmp/shmstage-torchtitan-bench", timeout=900.0
+    )
+    return bench_cli.parse_rank_options(parser, METHODS, argv)
 
 
 class Block(torch.nn.Module):
@@ -331,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    init_distributed(args.device, args.timeout)
+    bench_cli.init_distributed(args.device, args.timeout)
     daemon = None
     try:
         sock = args.socket or os.environ.get("SHMSTAGE_SOCKET")
