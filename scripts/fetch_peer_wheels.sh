@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Wheels for the bench's DLRover and ML Flashpoint rows on the GPU machine (CPython 3.12,
-# x86_64, no network): put them in the repository's .whl/, which scripts/gpu-check.sh
-# installs to /tmp/site (carry .whl with the run).
+# Wheels for the bench's nvidia-resiliency-ext, DLRover and ML Flashpoint rows on the GPU
+# machine (CPython 3.12, x86_64, glibc 2.39, no network): put them in the repository's .whl/,
+# which scripts/gpu-check.sh installs to /tmp/site (carry .whl with the run).
 # Usage: scripts/fetch_peer_wheels.sh DIR
 #
 # DLRover Flash Checkpoint: dlrover is pure Python; importing its flash checkpoint pulls in
 # grpc, requests and psutil (not protobuf, kubernetes, ray or pynvml), so exactly those are
 # fetched, each without its own dependencies (~9 MiB in all).
+#
+# nvidia-resiliency-ext (NVRx) 0.7.0 is a cp312 wheel for manylinux_2_39 only (0.4.1 is the
+# newest for manylinux_2_31; none for 2_28 or manylinux2014). Its async checkpointing,
+# all the bench drives, imports torch, numpy and (optionally) psutil, which the GPU image
+# has; its other requirements (fastapi, grpcio-tools, pydantic, uvicorn, ...) serve its
+# launcher and attribution tools, so it is fetched without them (~1 MiB).
 #
 # ML Flashpoint 0.0.10 is an sdist only, with two C++ extensions (pybind11 + abseil-cpp,
 # which its CMake fetches from GitHub at build time). It is built here for CPython 3.12 when
@@ -22,6 +28,8 @@ mkdir -p "$dir"
 pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
   --no-deps -d "$dir" dlrover==0.6.1 grpcio==1.85.3 requests==2.34.2 urllib3==2.8.0 \
   idna==3.20 charset-normalizer==3.5.3 certifi==2026.10.19.post1 psutil==7.2.2
+pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_39_x86_64 --no-deps -d "$dir" nvidia-resiliency-ext==0.7.0
 
 if [[ -n ${MLF_WHEEL:-} ]]; then
   cp "$MLF_WHEEL" "$dir/"
