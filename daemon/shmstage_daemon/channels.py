@@ -37,7 +37,8 @@ uid's ``name``. The rules:
   connection, layout and slot; same uid) publishes each step as ``count`` parts. A part's
   slot stays FILLING, its connection's, until every part of that step arrived; then each
   slot is handed back holding its part and the version becomes visible whole, once. A
-  step that never completes — a part's connection ended, a newer step became visible, or
+  step that never completes — the connection that published one of its parts, or the
+  last one that published that part number, ended; a newer step became visible; or
   its ``within`` seconds from its first part ran out — is dropped and every slot it held
   handed back: nothing of it is ever visible. Readers pin a sharded version as one (every
   part's slot pinned together). The step rules are a version's: a part of a step not newer
@@ -163,6 +164,9 @@ class Channel:
     subscribers: dict[int, Subscription] = field(default_factory=dict)
     #: Sharded versions whose parts are still arriving, by step (see *Parts*).
     assembling: dict[int, Assembly] = field(default_factory=dict)
+    #: The connection that last published each part number: the one expected to publish
+    #: that part of the next step too.
+    part_sessions: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -313,6 +317,7 @@ class Channels:
                 f"part {part} of step {step} of channel {name!r} was already published; "
                 "each rank publishes its own part number once per step",
             )
+        channel.part_sessions[part] = session
         assembly.parts[part] = Version(
             self._store.next_id(),
             step,
@@ -331,8 +336,8 @@ class Channels:
         self._forget_assembly(channel, assembly)
         parts = [assembly.parts[index] for index in range(count)]
         gone = [part.part for part in parts if not self._filling(part)]
-        if gone:
-            self._give_back(parts)
+        if gone:  # the arriving part's slot stays its publisher's, as for any refusal
+            self._give_back(other for other in parts if other.slot is not slot)
             raise StoreError(
                 ErrorCode.NOT_RETAINED,
                 f"step {step} of channel {name!r} is dropped: the slot of part(s) {gone} "
@@ -619,12 +624,18 @@ class Channels:
 
     def end_session(self, session: int) -> None:
         """A connection went: its pins end, its subscription too, and every unfinished
-        sharded version it published a part of is dropped."""
+        sharded version it published a part of, or whose part it would publish (it
+        published that part number last), is dropped."""
         for pin in [pin for pin in self.pins.values() if pin.session == session]:
             self._end(pin)
         for channel in list(self.channels.values()):
+            gone = {part for part, held in channel.part_sessions.items() if held == session}
+            for part in gone:
+                del channel.part_sessions[part]
             for step, assembly in list(channel.assembling.items()):
-                if any(part.session == session for part in assembly.parts.values()):
+                if gone - assembly.parts.keys() or any(
+                    part.session == session for part in assembly.parts.values()
+                ):
                     self._abandon(channel, step)
             if channel.subscribers.pop(session, None) is not None:
                 self._prune(channel)

@@ -373,13 +373,22 @@ def test_parts_must_agree_on_their_count_and_each_comes_once() -> None:
         ranks.part(1, 1, count=0)
 
 
-def test_a_part_whose_layout_was_released_meanwhile_makes_its_step_fail_and_frees_the_rest() -> (
-    None
-):
+def test_a_part_whose_layout_was_released_meanwhile_fails_its_step_as_a_refusal() -> None:
     ranks = Ranks()
     ranks.part(0, 1)
     ranks.store.mark_released(ranks.layouts[0])  # rank 0 published another structure
     with pytest.raises(StoreError, match=r"the slot of part\(s\) \[0\] was given up") as failed:
         ranks.part(1, 1)
     assert failed.value.code is ErrorCode.NOT_RETAINED
-    assert all(slot.state is SlotState.FREE for slot in ranks.layouts[1].slots)
+    # the arriving part's slot stays its publisher's to cancel, as after any refused publish
+    assert [slot.state for slot in ranks.layouts[1].slots] == [SlotState.FILLING, SlotState.FREE]
+
+
+def test_a_step_is_dropped_when_the_connection_that_publishes_a_missing_part_ends() -> None:
+    ranks = Ranks()
+    ranks.part(0, 1)
+    ranks.part(1, 1)  # rank 1's connection publishes part 1
+    _none, waiting = ranks.part(0, 2)
+    ranks.channels.end_session(RANK1)  # killed before its part of step 2
+    assert waiting.state is SlotState.FREE, "rank 0's part gives its slot back at once"
+    assert not ranks.channels.channels[(UID, "policy")].assembling

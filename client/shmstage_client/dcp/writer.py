@@ -107,12 +107,22 @@ class StageStats(TimingViews):
     deferred_bytes: int = 0
 
 
+def plan_local(state_dict: dict[str, Any]) -> tuple[DefaultSavePlanner, SavePlan]:
+    """DCP's own flattening of one rank's state dict into write items (DefaultSavePlanner's:
+    a DTensor's local shard with its offsets, a plain tensor whole), with its planner."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
+    return planner, planner.create_local_plan()
+
+
 class _Collected:
-    """One rank's items, resolved: tensors to stage, their shard offsets, object payloads."""
+    """One rank's items, resolved: tensors to stage, their shard offsets and global shapes,
+    object payloads."""
 
     def __init__(self, items: list[WriteItem], resolve: Callable[[WriteItem], Any]) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.offsets: dict[str, list[int]] = {}
+        self.shapes: dict[str, list[int]] = {}
         self.objects: dict[str, bytes] = {}
         for item in items:
             fqn = item.index.fqn
@@ -133,6 +143,7 @@ class _Collected:
                 )
             self.tensors[fqn] = tensor
             self.offsets[fqn] = [int(offset) for offset in chunk.offsets]
+            self.shapes[fqn] = [int(size) for size in item.tensor_data.size]
 
 
 class _Ticket:
@@ -296,9 +307,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         staged_dict: dict[str, Any] = {_TICKET_KEY: _TicketEntry(ticket)}
         try:
             self._supersede_unclaimed()  # a failed earlier save must not keep its slot
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
-            plan = planner.create_local_plan()
+            planner, plan = plan_local(state_dict)
             ticket.mappings = dict(planner.mappings)
             for item in plan.items:
                 replay = staged_dict.setdefault(item.index.fqn, _Replay([]))

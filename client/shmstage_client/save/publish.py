@@ -8,26 +8,66 @@ disk. The layout's slots are the channel's ring, which readers map once and keep
 ``save(..., publish=name)`` publishes the slot its commit just handed over (``publish_saved``):
 the same bytes, no second copy.
 
+A sharded publisher's rank (``shmstage_client.dcp.ShmStagePublisher``) publishes its
+``Part`` of each version: its local shards with their offsets and global shapes; the
+daemon shows the version once every rank's part of that step arrived.
+
 The Stager is not thread-safe, and neither is this: it runs on the caller's thread, with
-the Stager's own steps (``_claim``, ``_copy``), as ``save`` does.
+the Stager's own steps (``Staging``: ``_claim``, ``_copy``), as ``save`` does. ``Staging``
+names the few steps it takes, so that this module needs nothing else of the Stager (the
+Stager imports it, not the other way round).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import grp
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from shmstage_client.collection import collection_paused
-from shmstage_client.connection import DaemonConnection
+from shmstage_client.connection import DaemonConnection, RequestHandle
+from shmstage_client.save.deferred_copy import DeferredCopy
 from shmstage_client.save.destination import Fields
 from shmstage_client.save.handle import Clock, SaveTimings
+from shmstage_client.save.handover import FollowUp, Landing
+from shmstage_client.save.layouts import Layouts
+from shmstage_client.save.staged import Staged
 from shmstage_client.statedict import Flattened, check_fits
 
-if TYPE_CHECKING:
-    from shmstage_client.save.handover import Landing
-    from shmstage_client.save.stager import Stager
+
+class Staging(Protocol):
+    """The steps of a save that a publish takes (the Stager's): wait for a copy in flight,
+    claim a slot of the layout, copy into it, follow a deferred copy until it lands."""
+
+    data_file: str
+    request_timeout: float
+    _layouts: Layouts
+
+    def _await_landing(self, clock: Clock) -> None: ...
+
+    def _claim(self, flat: Flattened, clock: Clock) -> Staged: ...
+
+    def _copy(
+        self, staged: Staged, flat: Flattened, early: RequestHandle | None, block: bool
+    ) -> DeferredCopy | None: ...
+
+    def _start_landing(
+        self, deferred: DeferredCopy, what: str, follow_up: FollowUp
+    ) -> Landing: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A rank's part of a sharded version: which of how many (the ranks publishing on
+    this node), each shard's offsets in its global tensor and that tensor's shape (by flat
+    key), and how long the step's first part waits for the others in the daemon."""
+
+    index: int
+    count: int
+    offsets: Mapping[str, Sequence[int]]
+    shapes: Mapping[str, Sequence[int]]
+    within: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +82,9 @@ class Published:
     timings: SaveTimings
     #: A non-blocking publish's copy, until it landed and the version became visible.
     landing: Landing | None = None
+    #: For a sharded version's part: whether this part completed the version (False: it
+    #: waits in the daemon for other ranks' parts of the step, and ``subscribers`` is 0).
+    complete: bool = True
 
     def visible(self, timeout: float | None = None) -> None:
         """Until the version is visible (at once for a blocking publish); raises the error
@@ -70,7 +113,7 @@ def check_step(step: Any) -> int:
 
 
 def publish(
-    stager: Stager,
+    stager: Staging,
     state_dict: Any,
     name: str,
     *,
@@ -78,14 +121,16 @@ def publish(
     metadata: Mapping[str, Any] | None,
     share: Iterable[int | str],
     block: bool = True,
+    part: Part | None = None,
 ) -> Published:
-    """``Stager.publish``'s work (see there)."""
+    """``Stager.publish``'s work (see there); with ``part``, one rank's part of a sharded
+    version (``Published.complete`` says whether it was the last to arrive)."""
     check_step(step)
     gids = share_gids(share)
     clock = Clock()
     with collection_paused():
         stager._await_landing(clock)
-        flat = Flattened.of(state_dict, None)
+        flat = Flattened.of(state_dict, None if part is None else part.offsets)
         flat.check(stager._layouts.signature)
         fields = Fields.check(stager.data_file, None, metadata)
         check_fits(flat.encoded, flat.packed_tree, fields.packed_metadata)
@@ -100,14 +145,20 @@ def publish(
             "step": step,
             "share": gids,
         }
+        if part is not None:
+            body.update(part=part.index, parts=part.count, within=part.within)
+            body["shapes"] = {key: list(shape) for key, shape in part.shapes.items()}
         prepacked = {"tree": flat.packed_tree, "metadata": fields.packed_metadata}
+        visible = True
 
         def make_visible() -> int:
+            nonlocal visible
             try:
                 reply = _call(staged.connection, body, prepacked, stager.request_timeout)
             except BaseException:
                 staged.cancel()  # refused or lost: the slot goes back, nothing is visible
                 raise
+            visible = bool(reply.get("visible", True))
             return int(reply["subscribers"])
 
         if deferred is not None:  # the version becomes visible once the copy has landed
@@ -125,7 +176,7 @@ def publish(
         subscribers = make_visible()
         clock.lap("commit")
     stager._layouts.add_slots_soon(stager.request_timeout)
-    return Published(name, step, subscribers, clock.timings())
+    return Published(name, step, subscribers, clock.timings(), complete=visible)
 
 
 def publish_saved(

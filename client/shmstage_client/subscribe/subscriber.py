@@ -15,10 +15,16 @@ visible, so ``wait`` wakes at once and never polls. ``wait`` then pins the newes
 (``version``) and, the first time a version lands in a slot of the publisher's ring, maps
 that slot read-only (``ring``) — kept for every later version there. Closing the
 subscriber (or its process dying) ends its pins.
+
+A version published by a sharded trainer (``shmstage_client.dcp.ShmStagePublisher``) is
+made of one part per rank of the node, each in a slot of that rank's ring: ``wait`` pins
+them as one and returns a ``ShardedVersion`` (``sharded``), which reassembles full
+tensors from the parts or hands out one rank's own shards.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pwd
@@ -30,6 +36,7 @@ from shmstage_client.connection import DaemonConnection, RequestHandle
 from shmstage_client.errors import DaemonLost, DaemonRefused, SaveError, SaveTimeout
 from shmstage_client.restore.lease import lease_batch
 from shmstage_client.subscribe.ring import Ring
+from shmstage_client.subscribe.sharded import ShardedVersion
 from shmstage_client.subscribe.version import PIN_MARGIN_S, Version
 
 log = logging.getLogger("shmstage.client")
@@ -73,9 +80,11 @@ class Subscriber:
         if owner is not None:
             body["owner"] = owner if isinstance(owner, int) else pwd.getpwnam(owner).pw_uid
         self._events: RequestHandle | None = None
-        self._ring: Ring | None = None
-        #: The last version tree the daemon sent: it sends one again only when it differs.
-        self._tree: Any = None
+        #: The rings of the last version pinned (one per part), by id.
+        self._rings: dict[int, Ring] = {}
+        #: The last version tree the daemon sent per part: it sends one again only when it
+        #: differs.
+        self._trees: dict[int, Any] = {}
         try:
             self._events = self._connection.start("subscribe", body)
             reply = self._events.next(REQUEST_TIMEOUT)
@@ -92,11 +101,14 @@ class Subscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def wait(self, newer_than: int | None = None, timeout: float | None = None) -> Version:
+    def wait(
+        self, newer_than: int | None = None, timeout: float | None = None
+    ) -> Version | ShardedVersion:
         """The newest version newer than step ``newer_than`` (any, if None), pinned: waits
         until the publisher publishes one, at most ``timeout`` seconds (None: for ever),
         then raises NoNewVersion. Use the Version as a context manager (or ``close()`` it):
-        its slot is not refilled while it is pinned, and the publisher may wait for it."""
+        its slot is not refilled while it is pinned, and the publisher may wait for it.
+        A sharded publisher's version is a ShardedVersion (the same calls, and its parts)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._take_announcements()
         while True:
@@ -136,8 +148,8 @@ class Subscriber:
         if self.newest is None or step > self.newest:
             self.newest = step
 
-    def _pin(self, newer_than: int | None) -> Version | None:
-        """Pin the newest version and map its slot if this is its first version here;
+    def _pin(self, newer_than: int | None) -> Version | ShardedVersion | None:
+        """Pin the newest version and map its slots if this is their first version here;
         None when it was gone by then (refilled, its publisher gone): wait for the next."""
         asked = time.monotonic()
         body: dict[str, Any] = {"channel": self.channel, "newer_than": newer_than}
@@ -151,14 +163,20 @@ class Subscriber:
                     return None
                 raise
             pinned = reply.body
+            sharded = "parts" in pinned
+            entries = pinned["parts"] if sharded else [pinned]
             unpin = self._unpin
             try:
-                if "tree" in pinned:
-                    self._tree = pinned["tree"]
-                elif self._tree is None:
-                    raise DaemonLost("shmstaged pinned a version without its tree, never sent")
-                ring = self._ring_for(pinned)
-                self._receive(handle, ring, pinned)
+                for index, entry in enumerate(entries):
+                    if "tree" in entry:
+                        self._trees[index] = entry["tree"]
+                    elif index not in self._trees:
+                        raise DaemonLost("shmstaged pinned a version without its tree, never sent")
+                rings = [self._ring_for(entry) for entry in entries]
+                for ring_id in self._rings.keys() - {ring.id for ring in rings}:
+                    self._rings.pop(ring_id).retire()  # the daemon forgot it too
+                for index, (entry, ring) in enumerate(zip(entries, rings, strict=True)):
+                    self._receive(handle, ring, entry, index if sharded else None)
             except BaseException:
                 unpin(pinned["pin"])
                 raise
@@ -166,36 +184,61 @@ class Subscriber:
             handle.finish()
         if self.newest is None or pinned["step"] > self.newest:
             self.newest = pinned["step"]
-        return Version(
-            step=pinned["step"],
-            metadata=pinned["metadata"],
-            encoded=self._tree,
-            ring=ring,
-            slot=pinned["slot"],
+        expires = asked + pinned["seconds"] - PIN_MARGIN_S
+        if not sharded:
+            return Version(
+                step=pinned["step"],
+                metadata=pinned["metadata"],
+                encoded=self._trees[0],
+                ring=rings[0],
+                slot=pinned["slot"],
+                pin=pinned["pin"],
+                expires=expires,
+                unpin=unpin,
+                fetch_checksums=self._fetch_checksums,
+                checksums=pinned.get("checksums"),
+            )
+        parts = [
+            Version(
+                step=pinned["step"],
+                metadata=pinned["metadata"],
+                encoded=self._trees[index],
+                ring=ring,
+                slot=entry["slot"],
+                pin=pinned["pin"],
+                expires=expires,
+                unpin=_pinned_as_a_whole,
+                fetch_checksums=functools.partial(self._fetch_checksums, part=index),
+                checksums=entry.get("checksums"),
+            )
+            for index, (entry, ring) in enumerate(zip(entries, rings, strict=True))
+        ]
+        return ShardedVersion(
+            parts,
+            layouts=[ring.layout for ring in rings],
+            trees=[self._trees[index] for index in range(len(entries))],
+            shapes=[entry.get("shapes", {}) for entry in entries],
             pin=pinned["pin"],
-            expires=asked + pinned["seconds"] - PIN_MARGIN_S,
             unpin=unpin,
-            fetch_checksums=self._fetch_checksums,
-            checksums=pinned.get("checksums"),
         )
 
     def _ring_for(self, pinned: dict[str, Any]) -> Ring:
-        """This version's ring: the one mapped, or a new one (the publisher's structure
-        changed: the old one is retired once no version reads it)."""
-        if self._ring is not None and self._ring.id == pinned["ring"]:
-            return self._ring
+        """A (part of a) version's ring: one mapped, or a new one (the publisher's
+        structure changed: the old one is retired once no version reads it)."""
+        ring = self._rings.get(pinned["ring"])
+        if ring is not None:
+            return ring
         if "tensors" not in pinned:
             raise DaemonLost("shmstaged pinned a version of a new ring without its structure")
         layout = Layout.from_wire(pinned["tensors"], max_tensors=1 << 30)
-        ring = Ring(pinned["ring"], layout, pinned["sizes"])
-        if self._ring is not None:
-            self._ring.retire()
-        self._ring = ring
+        ring = self._rings[pinned["ring"]] = Ring(pinned["ring"], layout, pinned["sizes"])
         return ring
 
-    def _receive(self, handle: RequestHandle, ring: Ring, pinned: dict[str, Any]) -> None:
+    def _receive(
+        self, handle: RequestHandle, ring: Ring, pinned: dict[str, Any], part: int | None
+    ) -> None:
         """Map the slot's segments, which follow the answer when this connection was not
-        sent them before."""
+        sent them before (a sharded version's part by part, each frame naming its part)."""
         slot, count = pinned["slot"], pinned["segments"]
         if not count:
             if not ring.has(slot):
@@ -206,7 +249,11 @@ class Subscriber:
             while received < count:
                 frame = handle.next(REQUEST_TIMEOUT)
                 fds = frame.fds
-                if frame.op != "ring_fds" or frame.body["first"] != received:
+                if (
+                    frame.op != "ring_fds"
+                    or frame.body["first"] != received
+                    or frame.body.get("part") != part
+                ):
                     for fd in fds:
                         os.close(fd)
                     raise DaemonLost(f"unexpected {frame.op} while receiving a ring's slot")
@@ -223,10 +270,15 @@ class Subscriber:
             return False
         return bool(reply.body.get("held"))
 
-    def _fetch_checksums(self, pin: int, seconds: float) -> list[int] | None:
-        """The daemon's checksums for a pinned version, waiting up to ``seconds`` for it
-        to finish computing them (0: those it has now); None if there are none."""
-        body = {"pin": pin, "seconds": seconds}
+    def _fetch_checksums(
+        self, pin: int, seconds: float, part: int | None = None
+    ) -> list[int] | None:
+        """The daemon's checksums for a pinned version (its part ``part``), waiting up to
+        ``seconds`` for it to finish computing them (0: those it has now); None if there
+        are none."""
+        body: dict[str, Any] = {"pin": pin, "seconds": seconds}
+        if part is not None:
+            body["part"] = part
         reply = self._connection.call("checksums", body, timeout=seconds + REQUEST_TIMEOUT)
         checksums = reply.body["checksums"]
         return None if checksums is None else list(checksums)
@@ -237,6 +289,11 @@ class Subscriber:
             self._events.finish()
             self._events = None
         self._connection.close()
-        if self._ring is not None:
-            self._ring.retire()
-            self._ring = None
+        rings, self._rings = self._rings, {}
+        for ring in rings.values():
+            ring.retire()
+
+
+def _pinned_as_a_whole(pin: int) -> bool:
+    """A sharded version's part does not unpin: the version does, once, for every part."""
+    return True

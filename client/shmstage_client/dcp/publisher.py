@@ -1,0 +1,163 @@
+"""``ShmStagePublisher``: a sharded trainer's weights, published as one version per step.
+
+Each rank of an FSDP2 / tensor-parallel trainer holds a shard of most tensors. Every rank
+keeps one publisher (its own Stager, connection and layout, reused step after step as
+``ShmStageWriter`` reuses its layout) and calls ``publish(state_dict, step=...)`` each step;
+the node's shmstaged shows version ``step`` of the channel only once every rank of the
+node published its part of that step (``shmstage_client.save.publish``, the daemon's
+``channels``). Readers get full tensors reassembled from the parts, or one rank's own
+shards (``shmstage_client.subscribe``).
+
+What a rank publishes is DCP's own flattening of its state (``writer.plan_local``, the
+planner ``ShmStageWriter`` stages with): each DTensor's local shard with its offsets and
+the global shape, each plain tensor whole (as a shard at offset 0 of its own shape);
+plain values stay where they are in the nesting. A tensor several ranks hold whole
+(replicated) is published by each of them; readers take the lowest part's copy.
+
+Which ranks make one version: those whose daemon is this rank's — agreed once, over
+``process_group``, by each rank's daemon instance id. On several nodes each node's daemon
+holds a version of its own ranks' parts: their shards, not the whole model, unless the
+node's ranks hold every shard (tensor parallel within the node).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import torch.distributed as dist
+
+from shmstage import tree
+from shmstage_client.dcp.writer import _Collected, plan_local
+from shmstage_client.errors import UnsupportedValue
+from shmstage_client.save.publish import Part, Published
+from shmstage_client.save.publish import publish as publish_staged
+from shmstage_client.save.stager import Stager
+from shmstage_client.statedict import _flatten as flatten_state
+
+#: How long a step's first part waits in the daemon for the other ranks' parts.
+PART_WAIT_S: Final = 60.0
+
+
+class ShmStagePublisher:
+    """Publish this rank's part of channel ``name`` at every step (see the module).
+
+    ``process_group``: the ranks that publish together (default: the default group; a gloo
+    group, as for DCP, keeps the one exchange at set-up off the training group).
+    ``share``: groups whose members may subscribe (as ``Stager.publish``). ``within``:
+    seconds a step's first part waits in the daemon for the others before that step is
+    dropped. ``socket``, ``slots``, ``pin``, ``wait_for_slot``, ``slot_timeout``,
+    ``request_timeout``: as for ``Stager``. Connects on first use. Not thread-safe: one per
+    rank, kept for the run.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        share: Sequence[int | str] = (),
+        within: float = PART_WAIT_S,
+        socket: str | os.PathLike[str] | None = None,
+        slots: int | None = None,
+        pin: bool | str = "auto",
+        wait_for_slot: bool = True,
+        slot_timeout: float | None = None,
+        request_timeout: float = 600.0,
+    ) -> None:
+        self.name = name
+        self.share = tuple(share)
+        self.within = within
+        self._group = process_group
+        self._stager_options: dict[str, Any] = {
+            "slots": slots,
+            "pin": pin,
+            "wait_for_slot": wait_for_slot,
+            "slot_timeout": slot_timeout,
+            "request_timeout": request_timeout,
+        }
+        self._socket = socket
+        self._stager: Stager | None = None
+        #: This rank's part number and the node's part count, agreed at first use.
+        self.part: int | None = None
+        self.parts: int | None = None
+
+    def __enter__(self) -> ShmStagePublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def publish(
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Published:
+        """Stage this rank's part of version ``step`` (local shards, their offsets and
+        global shapes) and hand it to the daemon; returns once copied and handed over.
+        ``Published.complete`` is True on the rank whose part made the version visible.
+        Every rank of the node must call it for each step, with the same ``step``;
+        ``metadata`` is taken from the node's first rank (part 0)."""
+        stager = self._connect()
+        local, collected = _local_part(state_dict)
+        part = Part(
+            self.part or 0, self.parts or 1, collected.offsets, collected.shapes, self.within
+        )
+        return publish_staged(
+            stager, local, self.name, step=step, metadata=metadata, share=self.share,
+            part=part,
+        )  # fmt: skip
+
+    def reserve(self, state_dict: Mapping[str, Any]) -> None:
+        """Set up every slot for this structure now (``Stager.reserve``), so that no
+        publish in the loop pays for it."""
+        local, collected = _local_part(state_dict)
+        self._connect().reserve(local, offsets=collected.offsets)
+
+    def close(self) -> None:
+        """Disconnect: a step of which this rank's part still waits is dropped."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
+
+    def _connect(self) -> Stager:
+        if self._stager is None:
+            stager = Stager(self._socket, **self._stager_options)
+            try:
+                self.part, self.parts = _node_part(stager, self._group)
+            except BaseException:
+                stager.close()
+                raise
+            self._stager = stager
+        return self._stager
+
+
+def _node_part(stager: Stager, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's part number among the ranks of ``group`` that share its daemon, and how
+    many they are: one exchange of daemon instance ids."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    instance = stager.daemon_info["instance"]
+    instances: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(instances, instance, group=group)
+    rank = dist.get_rank(group)
+    mine = [other for other, seen in enumerate(instances) if seen == instance]
+    return mine.index(rank), len(mine)
+
+
+def _local_part(state_dict: Mapping[str, Any]) -> tuple[Any, _Collected]:
+    """The state dict with every tensor replaced by this rank's shard of it (the nesting and
+    plain values kept), and the shards' offsets and global shapes by flat key."""
+    encoded, items = flatten_state(state_dict)
+    planner, plan = plan_local(dict(items))
+    collected = _Collected(plan.items, planner.resolve_data)
+    missing = [key for key, _ in items if key not in collected.tensors]
+    if missing:
+        raise UnsupportedValue(
+            f"DCP planned no local shard for {missing[:5]} on this rank; publish DTensor "
+            "(FSDP2, tensor parallel) and plain tensors — nothing was published"
+        )
+    return tree.unflatten(encoded, collected.tensors.__getitem__), collected
