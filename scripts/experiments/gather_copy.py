@@ -1,7 +1,8 @@
 """The save's copy alone, without a daemon: N small CUDA tensors into a slot mapped and pinned
 as a save maps one (memfd segments in one region, laid out by the layout's packing),
 through ``CopyEngine`` with gathering at several scratch bounds (0: off, one copy per
-tensor) beside ``torch._foreach_copy_`` into the same pinned views (the bench's raw copy).
+tensor) beside ``torch._foreach_copy_`` into the same pinned views (the bench's raw copy)
+and one copy of as many bytes from one device buffer (the link's limit).
 Prints the median wall time per copy, the device memory the copies added, and, with
 ``--profile``, where a steady gathered copy spends its host time.
 
@@ -63,8 +64,16 @@ def timed(copy: Callable[[], None], repeats: int) -> list[float]:
         torch.cuda.synchronize()
         start = time.perf_counter()
         copy()
+        torch.cuda.synchronize()  # CopyEngine.copy returns when its bytes landed: no-op then
         times.append(time.perf_counter() - start)
     return times
+
+
+def whole_copy(total: int, repeats: int) -> list[float]:
+    """Seconds of one device-to-host copy of ``total`` bytes into pinned memory, repeated."""
+    device_bytes = torch.empty(total, dtype=torch.uint8, device="cuda")
+    host_bytes = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    return timed(partial(host_bytes.copy_, device_bytes, non_blocking=True), repeats)
 
 
 def main() -> None:
@@ -90,12 +99,15 @@ def main() -> None:
         torch._foreach_copy_(views, sources, non_blocking=True)
         torch.cuda.current_stream().synchronize()
 
+    times = whole_copy(total, args.repeats + 1)[1:]
+    print(f"bytes limit, one D2H of them all: median {statistics.median(times):.4f} s")
     times = timed(raw, args.repeats + 1)[1:]
     raw_median = statistics.median(times)
     print(f"raw _foreach_copy_: median {raw_median:.4f} s  {[f'{t:.4f}' for t in times]}")
     for text in args.bounds.split(","):
         bound = parse_size(text)
         engine = CopyEngine(bound)
+        torch._foreach_add_(sources, 1.0)  # new bytes: the check below sees this copy's
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
