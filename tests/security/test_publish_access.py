@@ -148,3 +148,86 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
     finally:
         publisher.kill()
     assert "internal error" not in daemon.log()
+
+
+#: The victim's two ranks (two connections of one process, same uid) publish the halves of
+#: ``w`` as the two parts of each step: step 1 part 0 first, part 1 once ``flag`` exists,
+#: then step 2 whole, shared with the trainers' group.
+SHARDED_PUBLISHER = """
+from shmstage_client.save.publish import Part, publish
+ranks = [Stager("{sock}") for _ in range(2)]
+def part(rank, step, share=()):
+    shard = {{"w": torch.full((4,), float(10 * step + rank))}}
+    layout = Part(rank, 2, {{"w": [4 * rank]}}, {{"w": [8]}})
+    done = publish(ranks[rank], shard, "policy", step=step, metadata=None, share=share, part=layout)
+    return done.complete
+say("PART0", part(0, 1))
+while not os.path.exists("{flag}"):
+    time.sleep(0.05)
+with subscribe("policy", socket="{sock}") as own:
+    try:
+        own.wait(timeout=1).close()
+        say("SEEN-EARLY")
+    except NoNewVersion:
+        say("NOTHING-YET")
+    say("PART1", part(1, 1))
+    with own.wait(timeout=10) as version:
+        say("OWN", version.step, version.parts, version.state()["w"].tolist())
+say("STEP2", part(0, 2, ["{group}"]), part(1, 2, ["{group}"]))
+time.sleep(3600)
+"""
+
+#: The attacker adds a part of its own to "policy" (its own channel of that name: the
+#: version stays unfinished), and names the victim's layouts in a raw publish.
+FOREIGN_PART = """
+from shmstage_client.save.publish import Part, publish
+with Stager("{sock}") as stager:
+    mine = publish(stager, {{"w": torch.full((4,), -1.0)}}, "policy", step=1, metadata=None,
+                   share=(), part=Part(1, 2, {{"w": [4]}}, {{"w": [8]}}))
+    say("OWN-PART", mine.complete)
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect("{sock}")
+conn = Connection(Role.CLIENT)
+sock.sendall(conn.send("hello", 1, {{"version": protocol.PROTOCOL_VERSION, "client": "x",
+                                     "pid": 1}}))
+def frame():
+    while (got := conn.next_frame()) is None:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 253)
+        conn.receive_data(data, fds)
+    return got
+frame()
+for layout in range(1, 9):  # every layout id around: the victim's among them
+    body = {{"layout": layout, "slot": 0, "name": "policy", "step": 1, "parts": 2, "part": 1,
+             "tree": {{"d": [["w", {{"T": "w"}}]]}}, "shapes": {{"w": [8]}}}}
+    sock.sendall(conn.send("publish", 10 + layout, body))
+    got = frame()
+    say("FOREIGN", got.op, got.body.get("code"))
+"""
+
+
+def test_another_user_can_neither_add_a_part_to_a_sharded_version_nor_read_it_unshared(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    daemon = shared_daemon(toml=f'publish_groups = ["{GROUP}"]\n')
+    flag = arena / "part-1-now"
+    publisher = Actor(victim, SHARDED_PUBLISHER.format(sock=daemon.socket, flag=flag, group=GROUP))
+    try:
+        assert publisher.wait_line("PART0") == "PART0 False"
+        foreign = run_as(attacker, FOREIGN_PART.format(sock=daemon.socket))
+        assert "OWN-PART False" in foreign, foreign  # its own channel's step 1, unfinished
+        answers = [line for line in foreign.splitlines() if line.startswith("FOREIGN")]
+        assert len(answers) == 8 and all(" error " in line for line in answers), answers
+        assert "published" not in foreign
+        refused = run_as(attacker, FOLLOW.format(owner=victim.uid, sock=daemon.socket))
+        assert "REFUSED policy" in refused and "READ" not in refused, refused
+        flag.touch()
+        assert publisher.wait_line("NOTHING-YET"), "the attacker's part completed nothing"
+        assert publisher.wait_line("PART1") == "PART1 True"
+        own = publisher.wait_line("OWN")
+        assert own == "OWN 1 2 [10.0, 10.0, 10.0, 10.0, 11.0, 11.0, 11.0, 11.0]", own
+        assert publisher.wait_line("STEP2") == "STEP2 False True"
+        shared = run_as(attacker, FOLLOW.format(owner=victim.uid, sock=daemon.socket))
+        assert "READ policy 2 [20.0, 20.0, 20.0, 20.0, 21.0, 21.0, 21.0, 21.0]" in shared, shared
+    finally:
+        publisher.kill()
+    assert "internal error" not in daemon.log()
