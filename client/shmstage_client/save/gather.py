@@ -20,7 +20,12 @@ Bounds and order: the scratch of a device is at most ``gather_bytes`` (``SHMSTAG
 default 64 MiB, 0: never gather), allocated on first need on the side stream, sized to the
 largest batch, and kept: all of a device's gathers and the copies out of its scratch run on
 the one side stream, so stream order alone keeps a batch from overwriting the scratch
-before the previous batch's copy to the host has read it.
+before the previous batch's copy to the host has read it. One buffer, not two on two
+streams: device memory moves a batch ~40× faster than the link, so the gather is a few
+per cent of the copy it precedes, which is all a second buffer could hide — and the host
+queues the next batch's kernels while the link still copies the last one anyway. Kept,
+not freed after each save: the next save needs it again, and freeing returns it to the
+caching allocator, which keeps the memory reserved all the same; ``Stager.close`` drops it.
 """
 
 from __future__ import annotations
@@ -251,6 +256,8 @@ class _Prepared:
     #: Per batch: its copies into the scratch.
     groups: list[list[_Group]]
     direct: Picker | None
+    #: The bytes of the tensors at ``indices``.
+    nbytes: int
 
 
 class Gatherer:
@@ -273,16 +280,17 @@ class Gatherer:
         sources: Sequence[torch.Tensor],
         indices: Sequence[int],
         what: str,
-    ) -> None:
+    ) -> int | None:
         """Queue the copy of ``sources[i]`` into ``destinations[i]`` for each ``i`` in
         ``indices`` (all on ``device``). ``layout`` says where each destination lies in its
-        slot (None: copy each directly); ``what`` names the pass (its plan is kept apart)."""
+        slot (None: copy each directly); ``what`` names the pass (its plan is kept apart).
+        Returns the bytes it copies where a kept plan knows them."""
         prepared = None
         if layout is not None and self.limit > 0 and device not in self._failed:
             prepared = self._prepare(device, layout, destinations, sources, indices, what)
         if prepared is None:
             torch._foreach_copy_(*pick(destinations, sources, indices), non_blocking=True)
-            return
+            return None
         scratch = prepared.scratch
         for batch, groups in zip(prepared.plan.batches, prepared.groups, strict=True):
             assert scratch is not None
@@ -295,6 +303,7 @@ class Gatherer:
         if prepared.direct is not None:
             dsts = prepared.direct(destinations)
             torch._foreach_copy_(dsts, prepared.direct(sources), non_blocking=True)
+        return prepared.nbytes
 
     def _prepare(
         self,
@@ -333,6 +342,7 @@ class Gatherer:
             scratch,
             [] if scratch is None else _groups(made, scratch, destinations, sources),
             picker(made.direct) if made.direct else None,
+            sum(layout.sizes[i] for i in indices),
         )
         while len(self._prepared) >= MAX_PLANS:
             del self._prepared[next(iter(self._prepared))]

@@ -429,12 +429,16 @@ class CopyEngine:
                 self._gatherer.copy(*copy, now, "now")
                 eager.append(side.record_event())
             if later:
-                self._gatherer.copy(*copy, later, "later")
+                nbytes = self._gatherer.copy(*copy, later, "later")
                 event = torch.cuda.Event(blocking=True)  # its host wait sleeps, not spins
                 side.record_event(event)
-                srcs = [copy.sources[i] for i in later]  # kept alive until the copy read them
-                nbytes = _pass_bytes(copy.layout, later)
-                parts.append(StreamCopy(device, event, srcs, nbytes))
+                # The sources are kept alive until the copy has read them: all of them where
+                # the plan knows the bytes (a list's copy costs less than picking them).
+                if nbytes is not None:
+                    held = list(copy.sources)
+                else:
+                    held = [copy.sources[i] for i in later]
+                parts.append(StreamCopy(device, event, held, nbytes))
 
     def _on_copy_thread(
         self,
@@ -470,14 +474,6 @@ class _CudaCopy(NamedTuple):
     layout: Layout | None
     destinations: Sequence[torch.Tensor]
     sources: Sequence[torch.Tensor]
-
-
-def _pass_bytes(layout: Layout | None, indices: Sequence[int]) -> int | None:
-    """The bytes of the tensors at ``indices`` from the layout's sizes (None: no layout)."""
-    if layout is None:
-        return None
-    sizes = layout.sizes
-    return sum(sizes[i] for i in indices)
 
 
 def _split(

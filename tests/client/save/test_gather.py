@@ -12,7 +12,7 @@ import torch
 from shmstage_client.dtypes import TO_SAFETENSORS
 from shmstage_client.save import gather
 from shmstage_client.save.gather import MAX_GAP, Gatherer, Run, gather_bytes_from_env, plan
-from shmstage_client.save.slots import MappedLayout
+from shmstage_client.save.slots import CopyEngine, MappedLayout
 
 from shmstage.layout import Layout, TensorSpec
 from shmstage.packing import Packing
@@ -112,6 +112,9 @@ def test_the_scratch_bound_comes_from_the_environment() -> None:
     for bad in ("-1", "64MiB"):
         with pytest.raises(ValueError, match="SHMSTAGE_GATHER_BYTES"):
             gather_bytes_from_env({"SHMSTAGE_GATHER_BYTES": bad})
+
+    with pytest.raises(ValueError, match="gather_bytes=-1"):
+        CopyEngine(-1)
 
 
 # -- the gather, on the CPU, into a slot mapped as a save maps it ---------------------
