@@ -7,7 +7,7 @@ Prints the median wall time per copy, the device memory the copies added, and, w
 ``--profile``, where a steady gathered copy spends its host time.
 
     PYTHONPATH=.:daemon:client:bench python3 scripts/experiments/gather_copy.py \
-        --tensors 100000 --min-bytes 1KiB --max-bytes 64KiB --bounds 0,8MiB,64MiB
+        --tensors 100000 --min-bytes 1KiB --max-bytes 64KiB --bounds 0,8MiB,64MiB,64MiB/2
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from functools import partial
 import torch
 from shmstage_bench.synthetic import parse_size
 from shmstage_client.dtypes import TO_SAFETENSORS
+from shmstage_client.save.gather import Gatherer
 from shmstage_client.save.slots import CopyEngine, MappedLayout, device_groups
 
 from shmstage.layout import Layout, TensorSpec
@@ -82,7 +83,11 @@ def main() -> None:
     p.add_argument("--min-bytes", type=parse_size, default=parse_size("1KiB"))
     p.add_argument("--max-bytes", type=parse_size, default=parse_size("64KiB"))
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    p.add_argument("--bounds", default="0,8MiB,64MiB", help="scratch bounds to time")
+    p.add_argument(
+        "--bounds",
+        default="0,8MiB,64MiB,64MiB/2",
+        help="scratch bounds to time; BOUND/2: in two buffers, gathers on their own stream",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
@@ -105,8 +110,11 @@ def main() -> None:
     raw_median = statistics.median(times)
     print(f"raw _foreach_copy_: median {raw_median:.4f} s  {[f'{t:.4f}' for t in times]}")
     for text in args.bounds.split(","):
-        bound = parse_size(text)
+        size, _, buffers = text.partition("/")
+        bound = parse_size(size)
         engine = CopyEngine(bound)
+        if buffers:  # the gathers on a stream of their own, into alternating buffers
+            engine._gatherer = Gatherer(bound, int(buffers))
         torch._foreach_add_(sources, 1.0)  # new bytes: the check below sees this copy's
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()

@@ -258,16 +258,25 @@ class _Prepared:
     direct: Picker | None
     #: The bytes of the tensors at ``indices``.
     nbytes: int
+    #: Per batch: where its buffer starts in the scratch.
+    bases: list[int]
 
 
 class Gatherer:
     """Copies a device's tensors into slot views, gathering small ones through a bounded
     scratch on that device (see the module docstring). Call ``copy`` with the side stream
-    current: every operation here is queued on it."""
+    current: every operation here is queued on it — with ``buffers`` > 1 (an experiment,
+    ``scripts/experiments/gather_copy.py``), the gathers go to a stream of their own that
+    fills one buffer while the side stream copies another to the host, each waiting for
+    the other by events, and the side stream's last copy still ends the whole."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, buffers: int = 1) -> None:
+        if buffers < 1:
+            raise ValueError(f"buffers={buffers}: gathering needs at least one")
+        self.buffers = buffers
         self.limit = limit - limit % SCRATCH_ALIGN  # a whole number of any dtype's elements
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._gather_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._failed: set[torch.device] = set()
         self._warned = False
         self._prepared: dict[tuple[int, torch.device, str], _Prepared] = {}
@@ -292,14 +301,32 @@ class Gatherer:
             torch._foreach_copy_(*pick(destinations, sources, indices), non_blocking=True)
             return None
         scratch = prepared.scratch
-        for batch, groups in zip(prepared.plan.batches, prepared.groups, strict=True):
+        batches = prepared.plan.batches
+        overlap = self.buffers > 1 and device.type == "cuda" and len(batches) > 1
+        if overlap:
+            side = torch.cuda.current_stream(device)
+            filler = self._gather_streams[device]
+            filler.wait_stream(side)  # the caller's writes, and every earlier copy out
+            freed: list[torch.cuda.Event | None] = [None] * self.buffers
+        for k, (batch, groups, base) in enumerate(
+            zip(batches, prepared.groups, prepared.bases, strict=True)
+        ):
             assert scratch is not None
-            scratch[: batch.nbytes].zero_()  # the padding the host gets is zeros, never stale
-            for group in groups:
-                torch._foreach_copy_(group.views, group.sources(sources), non_blocking=True)
+            if overlap:
+                with torch.cuda.stream(filler):
+                    event = freed[k % self.buffers]
+                    if event is not None:
+                        filler.wait_event(event)  # its buffer's last copy to the host
+                    _fill(scratch, base, batch, groups, sources)
+                    ready = filler.record_event()
+                side.wait_event(ready)
+            else:
+                _fill(scratch, base, batch, groups, sources)
             for run, at in zip(batch.runs, batch.at, strict=True):
                 host = host_range(destinations, run)
-                host.copy_(scratch[at : at + run.nbytes], non_blocking=True)
+                host.copy_(scratch[base + at : base + at + run.nbytes], non_blocking=True)
+            if overlap:
+                freed[k % self.buffers] = side.record_event()
         if prepared.direct is not None:
             dsts = prepared.direct(destinations)
             torch._foreach_copy_(dsts, prepared.direct(sources), non_blocking=True)
@@ -327,12 +354,16 @@ class Gatherer:
             return kept
         self._prepared.pop(key, None)
         dtypes = [t.dtype for t in destinations]
+        each = self.limit // self.buffers
+        each -= each % SCRATCH_ALIGN
         made = plan(
-            indices, layout.sizes, layout.packing().places, gatherable(layout, dtypes), self.limit
+            indices, layout.sizes, layout.packing().places, gatherable(layout, dtypes), each
         )
+        buffer = -(-made.scratch_bytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        bases = [(k % self.buffers) * buffer for k in range(len(made.batches))]
         scratch = None
         if made.batches:
-            scratch = self._scratch_for(device, made.scratch_bytes)
+            scratch = self._scratch_for(device, max(bases) + buffer)
             if scratch is None:
                 return None
         prepared = _Prepared(
@@ -340,9 +371,10 @@ class Gatherer:
             list(indices),
             made,
             scratch,
-            [] if scratch is None else _groups(made, scratch, destinations, sources),
+            [] if scratch is None else _groups(made, bases, scratch, destinations, sources),
             picker(made.direct) if made.direct else None,
             sum(layout.sizes[i] for i in indices),
+            bases,
         )
         while len(self._prepared) >= MAX_PLANS:
             del self._prepared[next(iter(self._prepared))]
@@ -377,6 +409,11 @@ class Gatherer:
                     GATHER_BYTES_ENV,
                 )
             return None
+        if self.buffers > 1 and device.type == "cuda":
+            filler = self._gather_streams.get(device)
+            if filler is None:
+                filler = self._gather_streams[device] = torch.cuda.Stream(device)
+            made.record_stream(filler)  # freed later: the allocator waits for its gathers too
         self._scratch[device] = made
         return made
 
@@ -386,8 +423,23 @@ class Gatherer:
         self._scratch.clear()
 
 
+def _fill(
+    scratch: torch.Tensor,
+    base: int,
+    batch: Batch,
+    groups: Sequence[_Group],
+    sources: Sequence[torch.Tensor],
+) -> None:
+    """Gather one batch into its buffer (at ``base``), padding zeroed: the host gets zeros
+    between tensors, never bytes a previous batch left there."""
+    scratch[base : base + batch.nbytes].zero_()
+    for group in groups:
+        torch._foreach_copy_(group.views, group.sources(sources), non_blocking=True)
+
+
 def _groups(
     made: Plan,
+    bases: Sequence[int],
     scratch: torch.Tensor,
     destinations: Sequence[torch.Tensor],
     sources: Sequence[torch.Tensor],
@@ -398,9 +450,11 @@ def _groups(
     made a group at a time through ``map``: at 100,000 tensors, this is the plan's cost.)"""
     typed: dict[torch.dtype, torch.Tensor] = {}
     result = []
-    for batch in made.batches:
+    for batch, base in zip(made.batches, bases, strict=True):
         members = [m for run in batch.runs for m in run.members]
-        places = [at + o for run, at in zip(batch.runs, batch.at, strict=True) for o in run.offsets]
+        places = [
+            base + at + o for run, at in zip(batch.runs, batch.at, strict=True) for o in run.offsets
+        ]
         dsts = [destinations[m] for m in members]
         contiguous = map(torch.Tensor.is_contiguous, [sources[m] for m in members])
         lists: dict[tuple[torch.dtype, bool], tuple[list[int], list[torch.Tensor], list[int]]]

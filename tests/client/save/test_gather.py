@@ -173,11 +173,12 @@ def fill(views: list[torch.Tensor], byte: int) -> None:
             view.view(torch.uint8).fill_(byte)
 
 
-def test_gathered_and_direct_copies_land_bit_exact_with_zeros_in_the_padding() -> None:
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_gathered_and_direct_copies_land_bit_exact_with_zeros_in_the_padding(buffers: int) -> None:
     sources = state(2000)
     mapped, slot = slot_of(sources)
     fill(slot, 0xAB)
-    gatherer = Gatherer(64 << 10)
+    gatherer = Gatherer(64 << 10, buffers)
     gatherer.copy(CPU, mapped.layout, slot, sources, list(range(len(sources))), "now")
     gatherer._scratch[CPU].fill_(0xCD)  # as another layout's gather would leave it
     fill(slot, 0xAB)
@@ -196,6 +197,7 @@ def test_gathered_and_direct_copies_land_bit_exact_with_zeros_in_the_padding() -
     for end, start in zip(ends, run.offsets[1:], strict=False):
         assert host[end:start].eq(0).all()
     assert gatherer._scratch[CPU].numel() <= 64 << 10
+    assert len(set(prepared.bases)) == buffers  # batches alternate between the buffers
     # Strided sources go in copies of their own: one would cost a CUDA batch its kernels.
     for groups in prepared.groups:
         for group in groups:
