@@ -33,7 +33,7 @@ from shmstage_client.dcp.writer import _Collected, plan_local
 from shmstage_client.errors import UnsupportedValue
 from shmstage_client.save.publish import Part, Published
 from shmstage_client.save.publish import publish as publish_staged
-from shmstage_client.save.stager import Stager
+from shmstage_client.save.stager import ReserveInfo, Stager
 from shmstage_client.statedict import _flatten as flatten_state
 
 #: How long a step's first part waits in the daemon for the other ranks' parts.
@@ -111,11 +111,12 @@ class ShmStagePublisher:
             part=part,
         )  # fmt: skip
 
-    def reserve(self, state_dict: Mapping[str, Any]) -> None:
+    def reserve(self, state_dict: Mapping[str, Any]) -> ReserveInfo:
         """Set up every slot for this structure now (``Stager.reserve``), so that no
-        publish in the loop pays for it."""
+        publish in the loop pays for it; ``changed`` is False when the layout in use
+        already has it."""
         local, collected = _local_part(state_dict)
-        self._connect().reserve(local, offsets=collected.offsets)
+        return self._connect().reserve(local, offsets=collected.offsets)
 
     def close(self) -> None:
         """Disconnect: a step of which this rank's part still waits is dropped."""

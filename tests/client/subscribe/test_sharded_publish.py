@@ -37,6 +37,7 @@ from shmstage_client.subscribe.sharded import (
 )
 
 CHANNEL = "sharded-policy"
+PER_NODE = "per-node"
 TIMEOUT = 60.0
 
 
@@ -63,10 +64,11 @@ def wait_file(path: Path, timeout: float = TIMEOUT) -> None:
         time.sleep(0.02)
 
 
-def rank_main(rank: int, work: Path, socket: str) -> None:
+def rank_main(rank: int, work: Path, socket: str, node_socket: str) -> None:
     """One rank: publish steps 1-2 together, step 3 with rank 1 held back until the test
     says go, then step 4 with rank 1 never publishing (it is killed), then step 5 on
-    rank 0 alone, which needs the slot that step 4's part held."""
+    rank 0 alone, which needs the slot that step 4's part held. Beside that, step 1 on
+    channel "per-node" through ``node_socket``: each rank a node of its own."""
     import torch.distributed as dist
     from shmstage_client import DaemonRefused, SlotUnavailable
     from shmstage_client.dcp import ShmStagePublisher
@@ -88,6 +90,7 @@ def rank_main(rank: int, work: Path, socket: str) -> None:
         fully_shard(module, mesh=mesh)
     # one slot per step in flight: a part the daemon does not give back is felt at once
     publisher = ShmStagePublisher(CHANNEL, socket=socket, slots=2, wait_for_slot=False)
+    assert publisher.reserve(state(model, 0)).changed
 
     def fill(step: int) -> None:
         """New weights on every rank's shard; the full state and each rank's shards saved
@@ -110,7 +113,13 @@ def rank_main(rank: int, work: Path, socket: str) -> None:
         fill(step)
         publisher.publish(state(model, step), step=step, metadata={"loss": step / 10})
         dist.barrier()
+        if step == 1:  # kept open: a publish-only layout's versions go with it
+            per_node = ShmStagePublisher(PER_NODE, socket=node_socket)
+            assert per_node.publish(state(model, 1), step=1).complete
+            (work / f"node-{rank}").write_text(f"{per_node.part} of {per_node.parts}")
     fill(3)
+    reused = not publisher.reserve(state(model, 3)).changed
+    assert reused, "every publish of this structure used the layout reserved at first"
     if rank == 1:
         wait_file(work / "go-3")
     published = publisher.publish(state(model, 3), step=3, metadata={"loss": 0.3})
@@ -150,21 +159,43 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     running.discard()
 
 
-def start_ranks(work: Path, socket: str) -> list[subprocess.Popen[bytes]]:
-    command = [sys.executable, __file__, "--work", str(work), "--socket", socket, "--rank"]
+@pytest.fixture(scope="module")
+def other_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    running = start_daemon(tmp_path_factory.mktemp("other-node-daemon"))
+    yield running
+    running.discard()
+
+
+def start_ranks(work: Path, sockets: tuple[str, str]) -> list[subprocess.Popen[bytes]]:
+    command = [sys.executable, __file__, "--work", str(work), "--socket", sockets[0]]
     return [
-        subprocess.Popen([*command, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [*command, "--node-socket", sockets[rank], "--rank", str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for rank in (0, 1)
     ]
 
 
 def test_two_fsdp2_ranks_publish_one_version_per_step_seen_whole_only_once_every_part_landed(
-    daemon: RunningDaemon, tmp_path: Path
+    daemon: RunningDaemon, other_node: RunningDaemon, tmp_path: Path
 ) -> None:
-    ranks = start_ranks(tmp_path, str(daemon.socket))
+    ranks = start_ranks(tmp_path, (str(daemon.socket), str(other_node.socket)))
     try:
         with subscribe(CHANNEL, socket=daemon.socket) as subscriber:
             wait_file(tmp_path / "r0-3")  # steps 1 and 2 are out; rank 0's part of 3 too
+            # each rank on a node of its own: each node's version holds that rank's shards
+            assert [(tmp_path / f"node-{r}").read_text() for r in (0, 1)] == ["0 of 1"] * 2
+            for rank, node in enumerate((daemon, other_node)):
+                follower = subscribe(PER_NODE, socket=node.socket)
+                with follower, follower.wait(timeout=TIMEOUT) as version:
+                    assert isinstance(version, ShardedVersion) and version.parts == 1
+                    mine = torch.load(tmp_path / f"local-{rank}-1.pt")
+                    assert_same(version.part(0).state(), mine)
+                    missing = "missing 17:33" if rank == 0 else "missing 0:17"
+                    with pytest.raises(IncompleteTensor, match=f"'model.a.weight'.*{missing}"):
+                        version.state()
             assert (tmp_path / "r0-3").read_text() == "False", "rank 0's part alone is not it"
             with subscriber.wait(timeout=TIMEOUT) as version:
                 assert version.step == 2 and version.metadata == {"loss": 0.2}
@@ -225,5 +256,6 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--socket", required=True)
+    parser.add_argument("--node-socket", required=True)
     arguments = parser.parse_args()
-    rank_main(arguments.rank, arguments.work, arguments.socket)
+    rank_main(arguments.rank, arguments.work, arguments.socket, arguments.node_socket)
