@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import mmap
 import os
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from shmstage_daemon.admission import Peer
@@ -25,6 +27,9 @@ from shmstage.instance import lock_path
 from shmstage.layout import Layout, TensorSpec
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.packing import Packing
+
+if TYPE_CHECKING:
+    import pytest  # imported where used: titan_ranks.py imports this module outside pytest
 
 
 def shmstaged_command() -> list[str]:
@@ -334,3 +339,15 @@ def resident_pages(path: Path) -> int:
     finally:
         libc.munmap(address, size)
     return sum(byte & 1 for byte in vector.raw)
+
+
+def skip_unless_installed(*packages: str) -> pytest.MarkDecorator:
+    """A test module's ``pytestmark`` when what it tests needs an optional extra: skipped
+    where one of ``packages`` is not installed. ``find_spec`` rather than
+    ``pytest.importorskip``, so that collecting the suite (in every xdist worker, and again
+    for the ``node_wide`` run) imports no framework: the tests import it where they use it,
+    most of them in a forked run."""
+    import pytest
+
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")

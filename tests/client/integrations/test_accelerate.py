@@ -3,23 +3,15 @@ tiny model on the CPU."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import RunningDaemon, start_daemon
+from harness import RunningDaemon, skip_unless_installed
 from shmstage_client import Stager
 
-pytest.importorskip("accelerate")
-
-
-@pytest.fixture(scope="module")
-def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp("accelerate-daemon"))
-    yield running
-    running.discard()
+pytestmark = skip_unless_installed("accelerate")
 
 
 class Counter:

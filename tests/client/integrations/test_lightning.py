@@ -20,7 +20,6 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +43,6 @@ def forks() -> multiprocessing.context.ForkServerContext:
     preload = ["lightning.pytorch", "torch.distributed.checkpoint"]
     context.set_forkserver_preload([*preload, "shmstage_client.integrations.lightning"])
     return context
-
-
-@pytest.fixture(scope="module")
-def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp("lightning-daemon"))
-    yield running
-    running.discard()
 
 
 def run(context: Any, workdir: Path, *args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:

@@ -8,35 +8,16 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import RunningDaemon, start_daemon
 from safetensors import safe_open
 from safetensors.torch import load_file
 from shmstage_client import Stager, subscribe
 from shmstage_client.integrations import safetensors_dir
 from shmstage_client.integrations.safetensors_dir import export
-
-
-@pytest.fixture(scope="module")
-def daemon_for_exports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp("export-daemon"))
-    yield running
-    running.discard()
-
-
-@pytest.fixture
-def socket(daemon_for_exports: RunningDaemon) -> str:
-    return str(daemon_for_exports.socket)
-
-
-@pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    return request.node.name[:100]
 
 
 def weights(step: int) -> dict[str, Any]:

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import start_daemon
+from harness import skip_unless_installed, start_daemon
 
 from shmstage import segment
 
-pytest.importorskip("torchtitan.components.checkpointer")
+pytestmark = skip_unless_installed("torchtitan")
 
 RANKS = Path(__file__).with_name("titan_ranks.py")
 RUN_TIMEOUT = 150.0

@@ -11,15 +11,13 @@ import json
 import multiprocessing
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import RunningDaemon, start_daemon
+from harness import RunningDaemon, skip_unless_installed, start_daemon
 
-pytest.importorskip("transformers")
-pytest.importorskip("trl")
+pytestmark = skip_unless_installed("transformers", "trl", "datasets")
 
 HERE = Path(__file__).parent
 NOBODY = 65534
@@ -46,13 +44,6 @@ def forks() -> Any:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
-
-
-@pytest.fixture(scope="module")
-def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp("hf-daemon"))
-    yield running
-    running.discard()
 
 
 def start(context: Any, workdir: Path, socket: Path, **kwargs: Any) -> Any:

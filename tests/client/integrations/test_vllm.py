@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from harness import RunningDaemon, start_daemon
 from shmstage_client import Stager
 from shmstage_client.integrations import vllm as shmstage_vllm
 from shmstage_client.integrations.vllm import IncompleteUpdate, WeightReceiver
@@ -56,23 +55,6 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return ours.keys() == theirs.keys() and all(
         torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in ours
     )
-
-
-@pytest.fixture(scope="module")
-def daemon_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp("vllm-daemon"))
-    yield running
-    running.discard()
-
-
-@pytest.fixture
-def socket(daemon_for_vllm: RunningDaemon) -> str:
-    return str(daemon_for_vllm.socket)
-
-
-@pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    return request.node.name[:100]
 
 
 @pytest.fixture
