@@ -583,7 +583,7 @@ def test_gather_of_a_guarded_non_blocking_save_is_the_state_at_the_call(
     """Thousands of small parameters and their AdamW state, saved with block=False after
     every step and the next step queued at once: the gathered copy read every source
     before the step rewrote it (the step's stream waits for the one event), and each
-    checkpoint is the state at its call."""
+    checkpoint is the state at its call. reserve() made the plans the saves use."""
     torch.manual_seed(0)
     params = torch.nn.ParameterList(
         torch.nn.Parameter(torch.randn(int(n), device="cuda"))
@@ -601,6 +601,9 @@ def test_gather_of_a_guarded_non_blocking_save_is_the_state_at_the_call(
     wants, handles = [], []
     with Stager(daemon.socket, slots=2, gather_bytes=1 << 20) as stager:
         stager.guard(optimizer)
+        stager.reserve({"model": params.state_dict(), "optim": optimizer.state_dict()})
+        made = dict(stager._copier._gatherer._prepared)  # blocking, and guarded's passes
+        assert {key[2] for key in made} == {"now", "later"}, sorted(key[2:] for key in made)
         for i in range(6):
             state = {"model": params.state_dict(), "optim": optimizer.state_dict()}
             torch.cuda.current_stream().synchronize()
@@ -610,7 +613,9 @@ def test_gather_of_a_guarded_non_blocking_save_is_the_state_at_the_call(
             step(i + 1)
         for handle in handles:
             handle.wait(120)
-        assert any(p.plan.batches for p in stager._copier._gatherer._prepared.values())
+        kept = stager._copier._gatherer._prepared
+        assert all(kept[key] is plan for key, plan in made.items())  # reserve's, reused
+        assert any(p.plan.batches for p in kept.values())
     for handle, want in zip(handles, wants, strict=True):
         assert_same(load(handle.path), want)
 

@@ -279,7 +279,7 @@ class Gatherer:
         self._gather_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._failed: set[torch.device] = set()
         self._warned = False
-        self._prepared: dict[tuple[int, torch.device, str], _Prepared] = {}
+        self._prepared: dict[tuple[int, torch.device, str, int], _Prepared] = {}
 
     def copy(
         self,
@@ -332,6 +332,19 @@ class Gatherer:
             torch._foreach_copy_(dsts, prepared.direct(sources), non_blocking=True)
         return prepared.nbytes
 
+    def prepare(
+        self,
+        device: torch.device,
+        layout: Layout,
+        destinations: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        what: str,
+    ) -> None:
+        """Make and keep the plan ``copy`` would, with its scratch, copying nothing."""
+        if self.limit > 0 and device not in self._failed:
+            self._prepare(device, layout, destinations, sources, indices, what)
+
     def _prepare(
         self,
         device: torch.device,
@@ -342,8 +355,9 @@ class Gatherer:
         what: str,
     ) -> _Prepared | None:
         """The kept plan for this layout, device and pass, or a new one (None: gathering
-        failed to get its scratch, so copy directly)."""
-        key = (id(layout), device, what)
+        failed to get its scratch, so copy directly). A pass of a blocking save and the
+        pass of the same name of a non-blocking one (fewer tensors) keep a plan each."""
+        key = (id(layout), device, what, len(indices))
         kept = self._prepared.get(key)
         if (
             kept is not None

@@ -355,6 +355,13 @@ class Stager:
             mapped, changed = self._layouts.reserve(
                 flat, slots=self.slots, pin=self.pin, timeout=timeout
             )
+            # The gathers' plans and scratch (save.gather), for blocking saves and guarded
+            # non-blocking ones: made here, they cost the loop's first save nothing.
+            masks = [None, self._deferrable(flat.tensors)] if self._guards else [None]
+            for deferred in masks:
+                self._copier.prepare(
+                    mapped.slots[0], flat.tensors, mapped.groups, deferred, mapped.layout
+                )
         return ReserveInfo(
             layout=mapped.id,
             slots=len(mapped.slots),

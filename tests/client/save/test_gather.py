@@ -185,7 +185,7 @@ def test_gathered_and_direct_copies_land_bit_exact_with_zeros_in_the_padding(buf
     gatherer.copy(CPU, mapped.layout, slot, sources, list(range(len(sources))), "now")
     for i, (dst, src) in enumerate(zip(slot, sources, strict=True)):
         assert as_bytes(dst) == as_bytes(src), f"tensor {i}"
-    prepared = gatherer._prepared[(id(mapped.layout), CPU, "now")]
+    prepared = gatherer._prepared[(id(mapped.layout), CPU, "now", len(sources))]
     gathered = {m for batch in prepared.plan.batches for run in batch.runs for m in run.members}
     assert len(gathered) > 1500
     large = {i for i in range(2000) if i % 97 == 0 and sources[i].dtype != torch.uint8}
@@ -217,13 +217,37 @@ def test_a_pass_leaves_the_other_pass_s_bytes_alone_and_keeps_its_plan() -> None
     for i in later:
         if slot[i].numel():
             assert slot[i].view(torch.uint8).eq(0xAB).all(), f"tensor {i} was written"
-    kept = gatherer._prepared[(id(mapped.layout), CPU, "now")]
+    key = (id(mapped.layout), CPU, "now", len(now))
+    kept = gatherer._prepared[key]
     changed = [t.clone() + 1 if t.dtype != torch.bool else ~t for t in sources]
     gatherer.copy(CPU, mapped.layout, slot, changed, now, "now")
-    assert gatherer._prepared[(id(mapped.layout), CPU, "now")] is kept
+    assert gatherer._prepared[key] is kept
     gatherer.copy(CPU, mapped.layout, slot, changed, later, "later")
     for i, (dst, src) in enumerate(zip(slot, changed, strict=True)):
         assert as_bytes(dst) == as_bytes(src), f"tensor {i}"
+    mapped.close()
+
+
+def test_a_plan_made_ahead_is_the_one_saves_use_blocking_or_not() -> None:
+    """What ``Stager.reserve`` makes (``prepare``) is what the saves then copy by: the
+    blocking save's pass and the non-blocking save's two passes each keep their plan."""
+    sources = state(900, seed=5)
+    mapped, slot = slot_of(sources)
+    everything = list(range(900))
+    now, later = everything[:450], everything[450:]
+    gatherer = Gatherer(1 << 20)
+    for part, what in ((everything, "now"), (now, "now"), (later, "later")):
+        gatherer.prepare(CPU, mapped.layout, slot, sources, part, what)
+    made = dict(gatherer._prepared)
+    assert len(made) == 3 and gatherer._scratch
+    for _ in range(2):  # a blocking save, then a non-blocking one, twice
+        gatherer.copy(CPU, mapped.layout, slot, sources, everything, "now")
+        gatherer.copy(CPU, mapped.layout, slot, sources, now, "now")
+        gatherer.copy(CPU, mapped.layout, slot, sources, later, "later")
+        assert gatherer._prepared.keys() == made.keys()
+        assert all(gatherer._prepared[key] is plan for key, plan in made.items())
+    for dst, src in zip(slot, sources, strict=True):
+        assert as_bytes(dst) == as_bytes(src)
     mapped.close()
 
 
