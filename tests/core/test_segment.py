@@ -59,6 +59,41 @@ def test_mappings_hold_no_descriptor(instance_id: str) -> None:
         segment.unlink(ref.name)
 
 
+def _resident_kib(address: int) -> int:
+    """The Rss (KiB) of this process's mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_new_segment_is_written_so_a_first_touch_only_maps_its_pages(instance_id: str) -> None:
+    """Its pages are zeros written at creation, not only reserved: tmpfs then maps a
+    touched page's resident neighbours in the same fault (fault-around, 64 KiB by default),
+    where reserved pages would each wait for a fault of their own to be zeroed — the
+    trainer's prefault before pinning (0.087 s per GiB on the H100 host against 0.009)."""
+    ref = segment.create(instance_id, 8 << 20)
+    try:
+        fd = segment.open_fd(ref, writable=True)
+        region = mapped(ref, fd, writable=True)
+        os.close(fd)
+        view = memoryview(region.buffer(0)).cast("B")
+        assert not any(view[:: 64 << 10])  # one byte read per 64 KiB: 128 pages
+        resident = _resident_kib(region.address)
+        assert resident >= 4 * 128 * 4, f"{resident} KiB resident after 128 one-byte reads"
+        assert not any(view)  # zeros, as before
+        view.release()
+        region.close()
+    finally:
+        segment.unlink(ref.name)
+
+
 def test_zero_byte_tensors_get_a_mappable_segment(instance_id: str) -> None:
     ref = segment.create(instance_id, 0)
     try:

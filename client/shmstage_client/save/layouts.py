@@ -190,8 +190,17 @@ class Layouts:
         handle = self.connection.start("register", request)
         mapped: MappedLayout | None = None
         try:
+            # The slot's address space and views while the daemon makes its segments; the
+            # layout's number once it answered.
+            mapped = MappedLayout.receiving(0, layout, request["slots"])
             reply = handle.next(timeout)
-            mapped = MappedLayout.receiving(reply.body["layout"], layout, reply.body["slots"])
+            mapped.id = reply.body["layout"]
+            if reply.body["slots"] < mapped.slot_count:
+                raise DaemonLost(
+                    f"daemon registered layout {mapped.id} with {reply.body['slots']} slots "
+                    f"for the {mapped.slot_count} asked for"
+                )
+            mapped.expect(reply.body["slots"] - mapped.slot_count)  # an adopted layout's
             mapped.pin, mapped.target_slots = pin, target
             self._receive_segments(handle, mapped, reply.body["segments"], timeout)
             mapped.mark_ready()
