@@ -30,7 +30,6 @@ caching allocator, which keeps the memory reserved all the same; ``Stager.close`
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 import os
@@ -130,15 +129,16 @@ def plan(
     """Which of the tensors at ``indices`` (layout positions, in order) are gathered, in
     which runs and batches; the others are ``direct``, and empty ones are left out.
 
-    Two tensors share a run only if nothing with bytes lies between them in the layout
-    (a run's copy to the host covers its padding, so it must cover no other tensor's
-    bytes: that tensor may be on another device, on the host, or in the other pass), they
-    are in the same segment, at most ``MAX_GAP`` apart, and the run fits in ``limit``
+    Two tensors share a run only if they are in the same segment with no tensor of that
+    segment between them (a run's copy to the host covers its padding, so it must cover
+    no other tensor's bytes: that tensor may be on another device, on the host, or in the
+    other pass; a large tensor between them in the layout has a segment of its own, so
+    it does not part them), at most ``MAX_GAP`` apart, and the run fits in ``limit``
     bytes of scratch. A run of one tensor gains nothing: it goes direct.
     """
-    # nonzero[k]: tensors with bytes before position k; i and j > i are neighbours in the
-    # host layout exactly when nonzero[j] == nonzero[i] + 1.
-    nonzero = list(itertools.accumulate(map(bool, sizes), initial=0))
+    # rank[k]: the tensors with bytes before position k in its segment; i and j > i of
+    # one segment are neighbours there exactly when rank[j] == rank[i] + 1.
+    rank = _ranks(sizes, places)
     runs: list[Run] = []
     direct: list[int] = []
     members: list[int] = []
@@ -159,13 +159,12 @@ def plan(
             continue
         which, offset = places[index]
         if not gatherable[index] or offset % SCRATCH_ALIGN + size > limit:
-            close()
-            direct.append(index)
+            direct.append(index)  # which parts a run if it lies in the run's segment (rank)
             continue
         if (
             members
             and which == segment
-            and nonzero[index] == nonzero[members[-1]] + 1
+            and rank[index] == rank[members[-1]] + 1
             and end <= offset < end + MAX_GAP
             and offset + size - start + start % SCRATCH_ALIGN <= limit
         ):
@@ -179,6 +178,18 @@ def plan(
         segment, start, end = which, offset, offset + size
     close()
     return Plan(_batches(runs, limit), tuple(sorted(direct)))
+
+
+def _ranks(sizes: Sequence[int], places: Sequence[tuple[int, int]]) -> list[int]:
+    """Per position, how many tensors with bytes come before it in its segment."""
+    counts: dict[int, int] = {}
+    ranks = []
+    for size, (which, _) in zip(sizes, places, strict=True):
+        count = counts.get(which, 0)
+        ranks.append(count)
+        if size:
+            counts[which] = count + 1
+    return ranks
 
 
 def _batches(runs: Sequence[Run], limit: int) -> tuple[Batch, ...]:

@@ -61,15 +61,24 @@ def test_empty_tensors_between_neighbours_neither_break_a_run_nor_are_copied() -
     assert 1 not in made.direct and 2 not in made.direct
 
 
-def test_large_and_ungatherable_tensors_go_direct_and_a_lone_small_one_too() -> None:
+def test_large_tensors_go_direct_without_parting_the_small_ones_around_them() -> None:
     sizes, places = packed([100] * 150 + [2 << 20] + [100] + [4 << 20] + [100] * 150)
     able = [s < gather.GATHER_BELOW for s in sizes]
     made = plan(range(len(sizes)), sizes, places, able, 1 << 20)
-    # The lone 100 bytes between the two large ones shares their pack segment with the
-    # others, yet is no neighbour of any in the layout: it goes direct, as the large do.
-    assert made.direct == (150, 151, 152)
-    runs = [run for batch in made.batches for run in batch.runs]
-    assert [len(run.members) for run in runs] == [150, 150]
+    # The large ones have a segment each: in the small ones' segment nothing lies between
+    # 149, 151 and 153, so they are neighbours there.
+    assert made.direct == (150, 152)
+    [run] = [run for batch in made.batches for run in batch.runs]
+    assert run.members == (*range(150), 151, *range(153, 303))
+
+
+def test_an_ungatherable_tensor_parts_its_neighbours_and_goes_direct() -> None:
+    sizes, places = packed([100] * 300)
+    able = [i != 100 for i in range(300)]  # a complex tensor, say
+    made = plan(range(300), sizes, places, able, 1 << 20)
+    assert made.direct == (100,)
+    runs = [run.members for batch in made.batches for run in batch.runs]
+    assert runs == [tuple(range(100)), tuple(range(101, 300))]
 
 
 def test_runs_stop_at_segment_ends_and_at_gaps_wider_than_padding() -> None:
