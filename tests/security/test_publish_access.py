@@ -154,12 +154,14 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
 #: ``w`` as the two parts of each step: step 1 part 0 first, part 1 once ``flag`` exists,
 #: then step 2 whole, shared with the trainers' group.
 SHARDED_PUBLISHER = """
-from shmstage_client.save.publish import Part, publish
+from shmstage_client.save.publish import Part, publish_flat
+from shmstage_client.statedict import Flattened
 ranks = [Stager("{sock}") for _ in range(2)]
 def part(rank, step, share=()):
     shard = {{"w": torch.full((4,), float(10 * step + rank))}}
-    layout = Part(rank, 2, {{"w": [4 * rank]}}, {{"w": [8]}})
-    done = publish(ranks[rank], shard, "policy", step=step, metadata=None, share=share, part=layout)
+    flatten = lambda: Flattened.of(shard, {{"w": [4 * rank]}})
+    done = publish_flat(ranks[rank], flatten, "policy", step=step, metadata=None, share=share,
+                        part=Part(rank, 2, {{"w": [8]}}))
     return done.complete
 say("PART0", part(0, 1))
 while not os.path.exists("{flag}"):
@@ -180,10 +182,12 @@ time.sleep(3600)
 #: The attacker adds a part of its own to "policy" (its own channel of that name: the
 #: version stays unfinished), and names the victim's layouts in a raw publish.
 FOREIGN_PART = """
-from shmstage_client.save.publish import Part, publish
+from shmstage_client.save.publish import Part, publish_flat
+from shmstage_client.statedict import Flattened
 with Stager("{sock}") as stager:
-    mine = publish(stager, {{"w": torch.full((4,), -1.0)}}, "policy", step=1, metadata=None,
-                   share=(), part=Part(1, 2, {{"w": [4]}}, {{"w": [8]}}))
+    flatten = lambda: Flattened.of({{"w": torch.full((4,), -1.0)}}, {{"w": [4]}})
+    mine = publish_flat(stager, flatten, "policy", step=1, metadata=None, share=(),
+                        part=Part(1, 2, {{"w": [8]}}))
     say("OWN-PART", mine.complete)
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("{sock}")

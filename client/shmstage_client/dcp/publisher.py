@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from shmstage import tree
 from shmstage_client.dcp.writer import _Collected, plan_local
 from shmstage_client.errors import UnsupportedValue
-from shmstage_client.save.publish import Part, Published
-from shmstage_client.save.publish import publish as publish_staged
+from shmstage_client.save.publish import Part, Published, publish_flat
 from shmstage_client.save.stager import ReserveInfo, Stager
-from shmstage_client.statedict import _flatten as flatten_state
+from shmstage_client.statedict import Flattened, Signature
+from shmstage_client.structure import Structures
 
 #: How long a step's first part waits in the daemon for the other ranks' parts.
 PART_WAIT_S: Final = 60.0
@@ -82,6 +85,10 @@ class ShmStagePublisher:
         #: This rank's part number and the node's part count, agreed at first use.
         self.part: int | None = None
         self.parts: int | None = None
+        #: The last structure's shards as DCP planned them (planning costs ~0.1 ms a tensor),
+        #: and its nesting (flattening it again costs ~0.1 s at 10,000 tensors).
+        self._planned: _Planned | None = None
+        self._structures = Structures()
 
     def __enter__(self) -> ShmStagePublisher:
         return self
@@ -102,12 +109,16 @@ class ShmStagePublisher:
         Every rank of the node must call it for each step, with the same ``step``;
         ``metadata`` is taken from the node's first rank (part 0)."""
         stager = self._connect()
-        local, collected = _local_part(state_dict)
-        part = Part(
-            self.part or 0, self.parts or 1, collected.offsets, collected.shapes, self.within
-        )
-        return publish_staged(
-            stager, local, self.name, step=step, metadata=metadata, share=self.share,
+        shapes: dict[str, list[int]] = {}
+
+        def flatten() -> Flattened:
+            local, planned = self._local_part(state_dict)
+            shapes.update(planned.shapes)
+            return local
+
+        part = Part(self.part or 0, self.parts or 1, shapes, self.within)
+        return publish_flat(
+            stager, flatten, self.name, step=step, metadata=metadata, share=self.share,
             part=part,
         )  # fmt: skip
 
@@ -115,14 +126,43 @@ class ShmStagePublisher:
         """Set up every slot for this structure now (``Stager.reserve``), so that no
         publish in the loop pays for it; ``changed`` is False when the layout in use
         already has it."""
-        local, collected = _local_part(state_dict)
-        return self._connect().reserve(local, offsets=collected.offsets)
+        local, planned = self._local_part(state_dict)
+        tensors = dict(local.items)
+        nested = tree.unflatten(local.encoded, tensors.__getitem__)
+        return self._connect().reserve(nested, offsets=planned.offsets)
 
     def close(self) -> None:
         """Disconnect: a step of which this rank's part still waits is dropped."""
         stager, self._stager = self._stager, None
         if stager is not None:
             stager.close()
+
+    def _local_part(self, state_dict: Mapping[str, Any]) -> tuple[Flattened, _Planned]:
+        """The state dict flattened with every tensor replaced by this rank's shard of it
+        (nesting and plain values kept, shard offsets set), and the shards' global shapes:
+        planned by DCP for a new structure, the last plan's for the same one (the same
+        keys, and each tensor's type, shape, dtype, placements and mesh)."""
+        flat = Flattened.of(state_dict, None, structures=self._structures)
+        signature = [_signature(key, value) for key, value in flat.items]
+        planned = self._planned
+        if planned is not None and planned.signature == signature:
+            local = [_local(value) for value in flat.tensors]
+        else:
+            planner, plan = plan_local(dict(flat.items))
+            collected = _Collected(plan.items, planner.resolve_data)
+            missing = [key for key in flat.keys if key not in collected.tensors]
+            if missing:
+                raise UnsupportedValue(
+                    f"DCP planned no local shard for {missing[:5]} on this rank; publish "
+                    "DTensor (FSDP2, tensor parallel) and plain tensors — nothing was published"
+                )
+            local = [collected.tensors[key] for key in flat.keys]
+            offsets = {key: tuple(at) for key, at in collected.offsets.items()}
+            planned = self._planned = _Planned(signature, offsets, collected.shapes)
+        shards = Signature.of(flat.keys, local, planned.offsets)
+        sharded = Flattened(flat.packed_tree, flat.keys, local, planned.offsets, shards)
+        sharded.encoded_or_unset = flat.encoded_or_unset
+        return sharded, planned
 
     def _connect(self) -> Stager:
         if self._stager is None:
@@ -149,16 +189,22 @@ def _node_part(stager: Stager, group: dist.ProcessGroup | None) -> tuple[int, in
     return mine.index(rank), len(mine)
 
 
-def _local_part(state_dict: Mapping[str, Any]) -> tuple[Any, _Collected]:
-    """The state dict with every tensor replaced by this rank's shard of it (the nesting and
-    plain values kept), and the shards' offsets and global shapes by flat key."""
-    encoded, items = flatten_state(state_dict)
-    planner, plan = plan_local(dict(items))
-    collected = _Collected(plan.items, planner.resolve_data)
-    missing = [key for key, _ in items if key not in collected.tensors]
-    if missing:
-        raise UnsupportedValue(
-            f"DCP planned no local shard for {missing[:5]} on this rank; publish DTensor "
-            "(FSDP2, tensor parallel) and plain tensors — nothing was published"
-        )
-    return tree.unflatten(encoded, collected.tensors.__getitem__), collected
+@dataclass(frozen=True)
+class _Planned:
+    """One structure's shards as DCP planned them, reused while the structure stays."""
+
+    signature: list[tuple[Any, ...]]
+    offsets: dict[str, tuple[int, ...]]
+    shapes: dict[str, list[int]]
+
+
+def _signature(key: str, value: torch.Tensor) -> tuple[Any, ...]:
+    """What decides where a tensor's local shard lies (a new mesh object counts as new)."""
+    if isinstance(value, DTensor):
+        return key, DTensor, value.shape, value.dtype, value.placements, id(value.device_mesh)
+    return key, type(value), value.shape, value.dtype
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor, as DCP's planner resolves it."""
+    return value.to_local() if isinstance(value, DTensor) else value.detach()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from shmstage_client.collection import collection_paused
@@ -60,12 +60,11 @@ class Staging(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Part:
     """A rank's part of a sharded version: which of how many (the ranks publishing on
-    this node), each shard's offsets in its global tensor and that tensor's shape (by flat
-    key), and how long the step's first part waits for the others in the daemon."""
+    this node), each shard's global shape (by flat key; its offsets are the flattened
+    state's), and how long the step's first part waits for the others in the daemon."""
 
     index: int
     count: int
-    offsets: Mapping[str, Sequence[int]]
     shapes: Mapping[str, Sequence[int]]
     within: float = 60.0
 
@@ -121,16 +120,34 @@ def publish(
     metadata: Mapping[str, Any] | None,
     share: Iterable[int | str],
     block: bool = True,
+) -> Published:
+    """``Stager.publish``'s work (see there)."""
+    return publish_flat(
+        stager, lambda: Flattened.of(state_dict, None), name, step=step, metadata=metadata,
+        share=share, block=block,
+    )  # fmt: skip
+
+
+def publish_flat(
+    stager: Staging,
+    flatten: Callable[[], Flattened],
+    name: str,
+    *,
+    step: int,
+    metadata: Mapping[str, Any] | None,
+    share: Iterable[int | str],
+    block: bool = True,
     part: Part | None = None,
 ) -> Published:
-    """``Stager.publish``'s work (see there); with ``part``, one rank's part of a sharded
-    version (``Published.complete`` says whether it was the last to arrive)."""
+    """``publish`` of the state that ``flatten`` flattens (once a copy in flight landed);
+    with ``part``, one rank's part of a sharded version, its shards' offsets in the
+    flattened state (``Published.complete`` says whether it was the last to arrive)."""
     check_step(step)
     gids = share_gids(share)
     clock = Clock()
     with collection_paused():
         stager._await_landing(clock)
-        flat = Flattened.of(state_dict, None if part is None else part.offsets)
+        flat = flatten()
         flat.check(stager._layouts.signature)
         fields = Fields.check(stager.data_file, None, metadata)
         check_fits(flat.encoded, flat.packed_tree, fields.packed_metadata)
