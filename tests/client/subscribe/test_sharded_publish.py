@@ -206,7 +206,8 @@ def test_two_fsdp2_ranks_publish_one_version_per_step_seen_whole_only_once_every
                 assert isinstance(version, ShardedVersion) and version.parts == 2
                 assert version.step == 3 and version.metadata == {"loss": 0.3}
                 expected = torch.load(tmp_path / "expected-3.pt")
-                assert_same(version.state("cpu"), expected)
+                assert_same(version.state("cpu", verify=True), expected)
+                assert version.verified, "each part checked against the daemon's checksums"
                 streamed = dict(version.tensors("cpu", bucket_bytes=512))
                 assert_same(streamed, {f"model.{k}": v for k, v in expected["model"].items()})
                 assert [spec.key for spec in version.specs] == list(streamed)
