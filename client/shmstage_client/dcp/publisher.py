@@ -12,7 +12,10 @@ What a rank publishes is DCP's own flattening of its state (``writer.plan_local`
 planner ``ShmStageWriter`` stages with): each DTensor's local shard with its offsets and
 the global shape, each plain tensor whole (as a shard at offset 0 of its own shape);
 plain values stay where they are in the nesting. A tensor several ranks hold whole
-(replicated) is published by each of them; readers take the lowest part's copy.
+(replicated) is published by each of them; readers take the lowest part's copy. DCP plans
+a structure once (~0.1 ms a tensor); later publishes of it reuse the plan while each
+tensor's key, type, shape, dtype, placements and mesh stay, and take each DTensor's local
+shard from the tensor passed to that publish.
 
 Which ranks make one version: those whose daemon is this rank's — agreed once, over
 ``process_group``, by each rank's daemon instance id. On several nodes each node's daemon
