@@ -36,6 +36,7 @@ from shmstage_client.save.handle import SaveEvent, SaveHandle, SaveResult, SaveT
 from shmstage_client.save.publish import Published
 from shmstage_client.save.staged import Staged
 from shmstage_client.save.stager import ReserveInfo, Stager
+from shmstage_client.subscribe.sharded import IncompleteTensor, ShardedVersion
 from shmstage_client.subscribe.subscriber import NoNewVersion, Subscriber, subscribe
 from shmstage_client.subscribe.version import ChecksumsUnavailable, Version, VersionExpired
 
@@ -50,6 +51,7 @@ __all__ = [
     "DaemonUnavailable",
     "DestinationError",
     "Guard",
+    "IncompleteTensor",
     "NoNewVersion",
     "PersistError",
     "Published",
@@ -61,6 +63,7 @@ __all__ = [
     "SaveResult",
     "SaveTimeout",
     "SaveTimings",
+    "ShardedVersion",
     "SlotUnavailable",
     "Staged",
     "Stager",
