@@ -183,22 +183,30 @@ class MappedLayout:
         """Every tensor's view in a slot's mapped range: the range viewed once per dtype,
         then one ``as_strided`` per tensor at its segment's place plus its place in a pack
         (aligned for any dtype). 10,000 frombuffers cost 0.1 s; 10,000 slices, each viewed
-        as its dtype and then its shape, 71 ms on the build host; this, 22 ms."""
+        as its dtype and then its shape, 71 ms on the build host; this, 22 ms. The strides
+        of each shape are worked out once (a state dict repeats its shapes): at 100,000
+        tensors, a fifth of the time besides the ``as_strided`` calls."""
         whole = _bytes(region.buffer(), region.size)  # a whole number of pages
         bases: dict[torch.dtype, torch.Tensor] = {}
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        starts = region.offsets
         views = []
-        for spec, (which, offset) in zip(
-            self.layout.tensors, self.layout.packing().places, strict=True
+        layout = self.layout
+        for spec, nbytes, (which, offset) in zip(
+            layout.tensors, layout.sizes, layout.packing().places, strict=True
         ):
             dtype = FROM_SAFETENSORS[spec.dtype]
-            if spec.nbytes == 0:
-                views.append(torch.empty(spec.shape, dtype=dtype))
+            shape = spec.shape
+            if not nbytes:
+                views.append(torch.empty(shape, dtype=dtype))
                 continue
             base = bases.get(dtype)
             if base is None:
                 base = bases[dtype] = whole.view(dtype)
-            start = (region.offsets[which] + offset) // dtype.itemsize
-            views.append(base.as_strided(spec.shape, _contiguous_strides(spec.shape), start))
+            step = strides.get(shape)
+            if step is None:
+                step = strides[shape] = _contiguous_strides(shape)
+            views.append(base.as_strided(shape, step, (starts[which] + offset) // dtype.itemsize))
         return views
 
     def grow(
