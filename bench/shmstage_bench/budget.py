@@ -13,7 +13,10 @@ without timing anything:
   still to come; a peer gets an even split of what is left between the methods still to run;
 * inside the process, :class:`RepeatPlan` runs the first save, then each repeat only while
   the last save's time still fits before the share ends, and says how many of the asked
-  repeats ran ("1 repeat of 3 (budget: ...)");
+  repeats ran ("1 repeat of 3 (budget: ...)"). A first save pays one-off costs, so the
+  first repeat is tried when half of the first save's time fits (``FIRST_REPEAT_GUESS``):
+  a row with one steady save beats one with none, and one that does not end by the
+  share's end is abandoned there, the row keeping its first save and saying so;
 * a method whose share is too small to start is a row saying so, never a silent gap.
 """
 
@@ -38,6 +41,12 @@ BRACKET_MARGIN = 1.25
 #: The part of its share a method may overrun for its first repeat (a row with one steady
 #: save beats one with none; the methods after it share what is left).
 STRETCH = 0.5
+#: What the first repeat is expected to take, as a part of the first save: one-off costs
+#: (workers, buffers, pinning) make first saves slower. On the H100 (8 GiB, 2026-11-27) a
+#: steady save took 0.42 of the first for nvidia-resiliency-ext's shared-memory mode, 0.44
+#: for DLRover, 0.55 for ML Flashpoint, 0.6 for DCP save, 1.0-1.16 for torch.save and
+#: DCP async_save; guessed short, a repeat is abandoned at the share's end (and says so).
+FIRST_REPEAT_GUESS = 0.5
 
 
 def closing_reserve(left: float, pending: int, measured_s: float | None) -> float:
@@ -130,6 +139,8 @@ class RepeatPlan:
     stretch_s: float = 0.0
     ran: int = 0
     last_save_s: float | None = None
+    #: The repeat running now was let through on FIRST_REPEAT_GUESS alone.
+    guessed: bool = False
 
     @classmethod
     def starting_now(cls, wanted: int, share_s: float | None, stretch_s: float) -> RepeatPlan:
@@ -143,13 +154,29 @@ class RepeatPlan:
         return self.deadline + (self.stretch_s if self.ran == 0 else 0.0)
 
     def next_fits(self, now: float) -> bool:
-        """Whether the next repeat, costing what the last save did, ends before the deadline."""
+        """Whether the next repeat, costing what the last save did (the first: a part of
+        it, ``FIRST_REPEAT_GUESS``), ends before the deadline."""
         end = self._end()
+        self.guessed = False
         if self.ran >= self.wanted:
             return False
         if end is None or self.last_save_s is None:
             return True
-        return now + self.last_save_s <= end
+        if now + self.last_save_s <= end:
+            return True
+        self.guessed = self.ran == 0 and now + self.last_save_s * FIRST_REPEAT_GUESS <= end
+        return self.guessed
+
+    def guess_missed(self) -> str:
+        """The row's note when a first repeat let through on the guess was abandoned at the
+        share's end (the row keeps its first save), or "" when there was no such guess."""
+        if not self.guessed:
+            return ""
+        return (
+            f"0 repeats of {self.wanted} (budget: its share was {self.share_s:.0f} s; the "
+            f"first save took {self.last_save_s:.1f} s, and the first repeat, tried on the "
+            f"chance that it was faster, had not ended when the share did: abandoned)"
+        )
 
     def save_timeout(self, now: float, save_timeout: float | None) -> float | None:
         """One save's own limit: ``--save-timeout``, but not past the share's end — except
@@ -165,6 +192,7 @@ class RepeatPlan:
     def done(self, seconds: float, *, first: bool) -> None:
         """Record a save that took ``seconds`` (wall time, its clean-up included)."""
         self.last_save_s = seconds
+        self.guessed = False
         if not first:
             self.ran += 1
 

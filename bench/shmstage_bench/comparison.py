@@ -142,6 +142,7 @@ def _measure(
                 f"{PROCESS_GRACE_S:.0f} s for its process) ran out before it handed back a row"
             )
         res = _failed(cls, error, outcome.traceback or outcome.log_tail[-1500:])
+    res.process_s = outcome.seconds
     leak = _leak(res)
     if leak:
         res.note = "; ".join(filter(None, [res.note, leak]))
@@ -264,6 +265,7 @@ def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
                 "first_durable_s": r.first.durable_s if r.first else None,
                 "dirty_writeback_peak_bytes": r.max_detail("dirty_writeback_peak_bytes"),
                 "file_cache_delta_bytes": r.median_detail("file_cache_delta_bytes"),
+                "process_s": r.process_s,
                 "fds_before": r.fds_before,
                 "fds_after": r.fds_after,
                 "first": vars(r.first) if r.first else None,
