@@ -498,6 +498,88 @@ def test_a_restart_that_prepares_first_restores_through_the_staging_made_meanwhi
     assert_same({k: v.cuda() for k, v in torch.load(out).items()}, state)
 
 
+def _published_state(step: int) -> dict[str, object]:
+    generator = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(1024, 1024, generator=generator),  # 4 MiB: many pieces of 64 KiB
+        "layers": [torch.randint(0, 1 << 30, (100_000,), generator=generator), torch.ones(7)],
+        "step": step,
+    }
+
+
+def test_a_first_version_copied_piece_by_piece_as_it_registers_is_bit_exact_and_kept(
+    daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new subscriber's first version is copied a piece at a time while the next piece
+    registers; every byte lands, and the next version in that slot copies through the same
+    registration without registering anything again."""
+    from shmstage_client import pinning, subscribe
+    from shmstage_client.subscribe import ring
+
+    monkeypatch.setattr(ring, "PIECE_BYTES", 64 << 10)
+    calls = []
+    register = pinning.register_range
+
+    def counted(*args: object) -> None:
+        calls.append(args[1])
+        register(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pinning, "register_range", counted)
+    with Stager(daemon.socket, slots=1) as stager, subscribe("g", socket=daemon.socket) as sub:
+        first = _published_state(1)
+        stager.publish(first, "g", step=1)
+        with sub.wait(timeout=30) as version:
+            assert_same(version.state("cuda"), first)
+            registration = version._ring._registrations[version._slot]
+            assert len(registration.pieces) > 50 and all(d.result() for d in registration.done)
+            assert len(calls) == len(registration.pieces)
+        second = _published_state(2)
+        stager.publish(second, "g", step=2)
+        with sub.wait(newer_than=1, timeout=30) as version:
+            assert version._ring._registrations[version._slot] is registration
+            assert_same(version.state("cuda"), second)
+            streamed = dict(version.tensors("cuda", bucket_bytes=100 << 10))  # spans pieces
+            assert torch.equal(streamed["w"].cpu(), second["w"])
+            assert torch.equal(streamed["layers.0"].cpu(), second["layers"][0])
+        assert len(calls) == len(registration.pieces)  # nothing registered again
+    assert torch.ones(1, device="cuda").item() == 1.0
+
+
+def test_a_slot_cuda_refuses_midway_warns_once_and_copies_the_rest_at_pageable_speed(
+    daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA refusing a registration cannot be caused on demand: the test refuses the fourth
+    call itself. The pieces registered stay (pinned speed), the rest copy pageable, bit-exact,
+    with one warning for the ring."""
+    from shmstage_client import pinning, subscribe
+    from shmstage_client.subscribe import ring
+
+    monkeypatch.setattr(ring, "PIECE_BYTES", 64 << 10)
+    register = pinning.register_range
+    calls = []
+
+    def refuse_after_three(*args: object) -> None:
+        calls.append(args[1])
+        if len(calls) > 3:
+            raise PinError("refused by the test")
+        register(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pinning, "register_range", refuse_after_three)
+    with Stager(daemon.socket, slots=1) as stager, subscribe("r", socket=daemon.socket) as sub:
+        state = _published_state(3)
+        stager.publish(state, "r", step=3)
+        with sub.wait(timeout=30) as version:
+            with pytest.warns(RuntimeWarning, match="could not register the published slots"):
+                assert_same(version.state("cuda"), state)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert_same(version.state("cuda"), state)
+            done = version._ring._registrations[version._slot].done
+            registered = [d.result() for d in done]  # the pieces start in order, on 2 threads
+            assert registered[0] and sum(registered) == 3 and not any(registered[5:])
+    assert torch.ones(1, device="cuda").item() == 1.0
+
+
 # -- gathering small tensors on the device before their copy to the host (save.gather) --
 
 _GATHER_DTYPES = [

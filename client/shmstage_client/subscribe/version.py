@@ -307,14 +307,28 @@ class Version:
 
     def _copy(self, start: int, end: int, device: torch.device) -> torch.Tensor:
         """Bytes ``start:end`` of the slot's mapped range, copied into a new buffer on
-        ``device`` (once the copy is complete)."""
+        ``device`` (once the copy is complete).
+
+        To a GPU, one DMA per registered piece of the ring's slot, each queued as soon as
+        its piece is registered (on a slot's first version the next piece registers
+        meanwhile; later, all are at once), then one wait on the stream."""
         region = self._ring.region(self._slot)
         size = max(end - start, 0)
-        source = torch.frombuffer(region.buffer(), dtype=torch.uint8)[start : start + size]
-        if device.type == "cuda":
-            self._ring.register(self._slot)
+        source = torch.frombuffer(region.buffer(), dtype=torch.uint8)
         target = torch.empty(size, dtype=torch.uint8, device=device)
-        target.copy_(source)  # from a registered range: a DMA at pinned speed, then a sync
+        if device.type != "cuda" or not size:
+            target.copy_(source[start : start + size])
+            return target
+        if device.index is None:  # the ring registers on threads whose device is 0
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.device(device):
+                for first, last, pinned in self._ring.pieces(self._slot, device, start, end):
+                    piece = target[first - start : last - start]
+                    piece.copy_(source[first:last], non_blocking=pinned)
+        finally:  # never leave a DMA running from a mapping its ring may close next
+            stream.synchronize()
         return target
 
     def _views(
