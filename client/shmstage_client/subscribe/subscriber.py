@@ -24,6 +24,7 @@ tensors from the parts or hands out one rank's own shards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -94,6 +95,11 @@ class Subscriber:
         self.channel: int = reply.body["channel"]
         #: The newest step the daemon announced (None: no version yet).
         self.newest: int | None = reply.body["newest"]
+        # Grow the descriptor table for a slot's segments now, not in the first wake-up:
+        # a growth waits for an RCU grace period (6-12 ms; ``shmstage.descriptors``). Where
+        # there is no room, the first pin says so.
+        with contextlib.suppress(SaveError):
+            lease_batch()
 
     def __enter__(self) -> Subscriber:
         return self
