@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import statistics
 import sys
 import tempfile
@@ -184,6 +185,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 reads.append(_recv(ours))
             out["publish_stall_s"] = statistics.median(stalls[1:] or stalls)
             out["first_version_s"] = reads[0]["total"]
+            out["first_version_pin_s"] = reads[0]["pin"]
+            out["first_version_copy_s"] = reads[0]["copy"]
             # the first version in each of the two slots maps and registers that slot
             later = reads[2:] or reads
             out["ring_version_s"] = statistics.median(r["total"] for r in later)
@@ -209,7 +212,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _wake_ups(stager: Any, pipe: Any, count: int, device: torch.device) -> dict[str, float]:
+def _wake_ups(stager: Any, pipe: Any, count: int, device: torch.device) -> dict[str, Any]:
     """Commit-to-wake-up of a tiny version: from just before "publish" went out (the
     publish's return less its round trip) to the reader's ``wait()`` returning."""
     tiny = {"x": torch.zeros(16, device=device)}
@@ -221,11 +224,13 @@ def _wake_ups(stager: Any, pipe: Any, count: int, device: torch.device) -> dict[
         time.sleep(0.002)  # the reader blocks in wait() by now
         published = stager.publish(tiny, "ping", step=step)
         sent = time.monotonic() - published.timings.commit_seconds
-        delays.append(_recv(pipe) - sent)
+        delays.append((_recv(pipe) - sent, step))
     delays.sort()
     return {
-        "wake_p50_ms": 1000 * delays[len(delays) // 2],
-        "wake_p99_ms": 1000 * delays[min(len(delays) - 1, int(len(delays) * 0.99))],
+        "wake_p50_ms": 1000 * delays[len(delays) // 2][0],
+        "wake_p99_ms": 1000 * delays[min(len(delays) - 1, int(len(delays) * 0.99))][0],
+        # which pings were slowest: the first in each slot of the ring maps it
+        "wake_slowest": [[round(1000 * delay, 3), step] for delay, step in delays[-5:]],
     }
 
 
@@ -256,6 +261,8 @@ def _saves(stager: Any, state: dict[str, torch.Tensor], args: argparse.Namespace
             handle = stager.save(state, path, metadata=metadata, publish=publish)
             stalls.append(handle.timings.stall_seconds)
             handle.wait(600)
+            shutil.rmtree(path, ignore_errors=True)  # 7 GiB each: the GPU host has 64 GiB
+    shutil.rmtree(where, ignore_errors=True)
     return {
         "save_stall_s": statistics.median(plain),
         "save_publish_stall_s": statistics.median(published),
