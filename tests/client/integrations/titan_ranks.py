@@ -23,6 +23,7 @@ import argparse
 import copy
 import dataclasses
 import faulthandler
+import importlib
 import json
 import os
 import signal
@@ -58,7 +59,25 @@ TIMEOUT = 60.0
 RUN_LIMIT = 120.0
 OVERRIDE = "shmstage_client.integrations.torchtitan.shmstage_checkpoint"
 LEFTOVER = ".step-9.0123456789abcdef.shmstage-pending"
-VOCAB = 67  # rows shard unevenly over 2 ranks (34 and 33)
+VOCAB = 67
+#: What every rank imports on its way (the optimizers' first step imports torch._dynamo,
+#: the override shmstage's DCP and client modules, tyro's parse typeguard): imported here
+#: once, before the ranks are forked, instead of once in each of the five (torch._dynamo
+#: alone costs a few CPU-seconds). The override module itself is not: its import by name
+#: from torchtitan's command line is part of what the ranks test.
+PRELOAD = (
+    "torch._dynamo",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+    "torch.utils.serialization",
+    "shmstage_client.dcp",
+    "shmstage_client.restore.restoring",
+    "shmstage_client.save.publish",
+    "shmstage_client.save.stager",
+    "shmstage_client.subscribe.subscriber",
+    "typeguard",
+    "tyro._backends._tyro_backend",
+    "tyro.constructors._struct_spec_dataclass",
+)  # rows shard unevenly over 2 ranks (34 and 33)
 
 
 class Block(torch.nn.Module):
@@ -368,9 +387,9 @@ SCENARIOS = {"first": first, "resume": resume, "modes": modes}
 
 
 def fork_rank(scenario: str, rank: int, world_size: int, args: argparse.Namespace) -> int:
-    """A process for one rank: forked from this one, which imported torch, torchtitan and
-    tyro but used none of them (no tensor, no process group, no daemon connection), so each
-    rank starts as a fresh trainer would, without paying the imports again."""
+    """A process for one rank: forked from this one, which imported torch, torchtitan,
+    tyro and ``PRELOAD`` but used none of them (no tensor, no process group, no daemon
+    connection), so each rank starts as a fresh trainer would, without paying the imports again."""
     pid = os.fork()
     if pid:
         return pid
@@ -402,6 +421,8 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     args = parser.parse_args()
     os.chdir(args.work)
+    for module in PRELOAD:
+        importlib.import_module(module)
     exits = wait(
         {f"first-{rank}": fork_rank("first", rank, 2, args) for rank in range(2)}
         | {"modes-0": fork_rank("modes", 0, 1, args)}
