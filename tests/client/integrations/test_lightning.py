@@ -237,22 +237,15 @@ def test_saving_again_at_a_path_replaces_it_only_once_the_new_checkpoint_is_dura
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
 
 
-def test_importing_the_module_needs_no_lightning_and_using_it_names_the_extra() -> None:
-    """Lightning cannot be uninstalled here: a child process hides it (a None entry in
-    sys.modules makes every import of that name fail, as when it is not installed)."""
-    code = (
-        "import sys\n"
-        "for name in ('lightning', 'pytorch_lightning', 'lightning_fabric'):\n"
-        "    sys.modules[name] = None\n"
-        "import shmstage_client.integrations.lightning as m\n"
-        "try:\n"
-        "    m.ShmStageCheckpointIO\n"
-        "except ImportError as exc:\n"
-        "    print('REFUSED', exc)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "REFUSED" in done.stdout and "pip install 'shmstage-client[lightning]'" in done.stdout
+@pytest.mark.xdist_group("fresh_imports")
+def test_importing_the_module_needs_no_lightning_and_using_it_names_the_extra(
+    fresh_imports: dict[str, Any],
+) -> None:
+    """Lightning cannot be uninstalled here: a fresh interpreter hides it (see
+    ``conftest.FRESH_IMPORTS``); the module imports, its class refuses."""
+    refused = fresh_imports["lightning"]
+    assert refused.startswith("ImportError: ")
+    assert "pip install 'shmstage-client[lightning]'" in refused
 
 
 def test_load_checkpoint_refuses_a_last_ckpt_another_user_put_in_a_shared_directory() -> None:

@@ -138,22 +138,16 @@ def test_a_save_whose_daemon_is_gone_fails_at_the_wait_naming_it_and_publishes_n
     assert not [name for name in result["lost_folder"] if name.startswith("step-")]
 
 
-def test_importing_the_module_needs_no_torchtitan_and_using_it_names_the_extra() -> None:
+@pytest.mark.xdist_group("fresh_imports")
+def test_importing_the_module_needs_no_torchtitan_and_using_it_names_the_extra(
+    fresh_imports: dict[str, Any],
+) -> None:
     """torchtitan made unimportable in a fresh interpreter (sys.modules entry None, the
-    interpreter's own way of saying a module is absent): the import works, the class
-    raises ImportError naming the extra."""
-    code = (
-        "import sys; sys.modules['torchtitan'] = None\n"
-        "import shmstage_client.integrations.torchtitan as t\n"
-        "try:\n"
-        "    t.ShmStageCheckpointManager\n"
-        "except ImportError as exc:\n"
-        "    print(exc)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert "pip install 'shmstage-client[torchtitan]'" in out.stdout
+    interpreter's own way of saying a module is absent; see ``conftest.FRESH_IMPORTS``):
+    the import works, the class raises ImportError naming the extra."""
+    refused = fresh_imports["torchtitan"]
+    assert refused.startswith("ImportError: ")
+    assert "pip install 'shmstage-client[torchtitan]'" in refused
 
 
 def test_the_override_keeps_the_runs_settings_and_refuses_another_manager() -> None:
