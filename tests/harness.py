@@ -318,6 +318,25 @@ def staged_job(
     )
 
 
+def mapped_kib(address: int, size: int = 1) -> int:
+    """How much of this process's mappings from ``address`` to ``address + size`` is
+    mapped in (their Rss in /proc/self/smaps, KiB): the pages touched, and the neighbours
+    a fault mapped with them. A region's segments are a mapping each."""
+    total, inside, found = 0, False, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low < address + size and address < high
+                found = found or inside
+            elif inside and head == "Rss:":
+                total += int(line.split()[1])
+    if not found:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return total
+
+
 def resident_pages(path: Path) -> int:
     """Pages of ``path`` in the page cache: mincore(2) on a mapping of it, which reads nothing."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -60,7 +60,9 @@ class Segments:
         self._io.shutdown(wait=False, cancel_futures=True)
 
     def create(self, layout: Layout, slots: int) -> list[list[SegmentRef]]:
-        """Runs in an I/O thread, fanning large layouts out to setup threads; all or nothing."""
+        """Runs in an I/O thread, fanning large layouts out to setup threads (up to
+        ``segment.MAX_CREATE_THREADS``: a first save waits for them); all or nothing. A
+        test's ``register`` fault hook holds it after the first segment."""
         sizes = list(layout.packing().sizes) * slots
         refs: list[SegmentRef | None] = [None] * len(sizes)
 
@@ -68,10 +70,17 @@ class Segments:
             refs[index] = segment.create(self._instance(), sizes[index])
 
         try:
-            if sizes:
+            first = 0
+            if sizes and faults.armed("register"):
                 make(0)
                 faults.pause("register")
-            segment.in_parallel(sizes[1:], lambda index: make(index + 1))
+                first = 1
+            segment.in_parallel(
+                sizes[first:],
+                lambda index: make(index + first),
+                segment.MAX_CREATE_THREADS,
+                segment.CREATE_MIN_BYTES,
+            )
         except BaseException:
             for ref in refs:
                 if ref is not None:

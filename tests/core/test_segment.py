@@ -7,6 +7,7 @@ import os
 import stat
 
 import pytest
+from harness import mapped_kib
 
 from shmstage import segment
 
@@ -59,20 +60,6 @@ def test_mappings_hold_no_descriptor(instance_id: str) -> None:
         segment.unlink(ref.name)
 
 
-def _resident_kib(address: int) -> int:
-    """The Rss (KiB) of this process's mapping that holds ``address``."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(part, 16) for part in head.split("-"))
-                inside = low <= address < high
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_a_new_segment_is_written_so_a_first_touch_only_maps_its_pages(instance_id: str) -> None:
     """Its pages are zeros written at creation, not only reserved: tmpfs then maps a
     touched page's resident neighbours in the same fault (fault-around, 64 KiB by default),
@@ -85,7 +72,7 @@ def test_a_new_segment_is_written_so_a_first_touch_only_maps_its_pages(instance_
         os.close(fd)
         view = memoryview(region.buffer(0)).cast("B")
         assert not any(view[:: 64 << 10])  # one byte read per 64 KiB: 128 pages
-        resident = _resident_kib(region.address)
+        resident = mapped_kib(region.address)
         assert resident >= 4 * 128 * 4, f"{resident} KiB resident after 128 one-byte reads"
         assert not any(view)  # zeros, as before
         view.release()
@@ -136,6 +123,19 @@ def test_small_layouts_are_set_up_on_one_thread_large_ones_balanced_by_bytes() -
     if len(mixed) > 1:
         assert mixed[0] == list(range(10_000))
         assert sorted(i for group in mixed[1:] for i in group) == [10_000, 10_001]
+
+
+def test_a_slot_of_64_mib_packs_is_made_on_a_thread_per_pack_up_to_the_cores() -> None:
+    """The daemon makes a 1 GiB slot of 64 MiB packs on up to 16 threads (``create``'s
+    bound), one pack each where the cores allow, the small last pack with one of them: a
+    first save waits for the slowest thread."""
+    sizes = [64 << 20] * 16 + [1 << 20]
+    groups = segment.setup_groups(sizes, segment.MAX_CREATE_THREADS, segment.CREATE_MIN_BYTES)
+    assert len(groups) == min(16, os.cpu_count() or 1)
+    assert sorted(i for group in groups for i in group) == list(range(17))
+    loads = [sum(sizes[i] for i in group) for group in groups]
+    assert max(loads) - min(loads) <= 1 << 20
+    assert len(segment.setup_groups(sizes)) <= 8  # pinning keeps its own bound
 
 
 def test_parallel_setup_does_everything_once_or_stops_and_raises() -> None:

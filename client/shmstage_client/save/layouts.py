@@ -122,7 +122,8 @@ class Layouts:
     def make_ready(self, mapped: MappedLayout, slot: int, timeout: float) -> None:
         """The granted slot mapped (it may be one still arriving) and, before its first
         copy, pinned: registering blocks the process's CUDA calls, so it is done here,
-        inside the measured stall, and never behind the trainer's back."""
+        inside the measured stall, and never behind the trainer's back. A slot that is not
+        pinned has its pages mapped in instead (``touch_slot``)."""
         if not mapped.wait_ready(slot, timeout):  # arriving, or faulted in
             with contextlib.suppress(SaveError):
                 self.connection.call("cancel", {"layout": mapped.id, "slot": slot}, timeout=30)
@@ -131,6 +132,8 @@ class Layouts:
                 f"arrive and get set up within {timeout} s"
             )
         mapped.pin_slot(slot)
+        if slot not in mapped.pinned:  # an unpinned copy would fault each page in
+            mapped.touch_slot(slot)
 
     def add_slots_soon(self, timeout: float) -> None:
         """After a layout's first save: ask for the slots it still lacks, on the background

@@ -20,6 +20,7 @@ import concurrent.futures
 import ctypes
 import itertools
 import logging
+import mmap
 import os
 import threading
 import warnings
@@ -82,6 +83,8 @@ class MappedLayout:
     #: announced (``expect``), over address space reserved and not yet mapped.
     _views: list[list[torch.Tensor]] = field(default_factory=list)
     _unpinnable: bool = False
+    #: Slots whose pages this process has mapped in (``touch_slot``, ``prefault_slot``).
+    _touched: set[int] = field(default_factory=set)
     #: Held while segments are mapped or faulted in, and to close: the background request
     #: adding slots must never touch a region after it is unmapped.
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -257,6 +260,24 @@ class MappedLayout:
             segment.in_parallel(
                 [piece.numel() for piece in pieces], lambda i: prefault(pieces[i]), threads
             )
+            self._touched.add(index)
+
+    def touch_slot(self, index: int) -> None:
+        """Before the first copy into an unpinned slot (a CPU state dict), map its pages in
+        by reading a byte of each, on the setup threads: the daemon wrote them when it made
+        the segments, so each fault maps 16 resident pages (fault-around), where the copy's
+        writes would fault once per 4 KiB page. Reads only, so it may run on any slot that
+        nothing writes meanwhile; a slot pinned or touched already costs nothing."""
+        if index in self._touched:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            pieces = _pieces(self._regions[index])
+            segment.in_parallel(
+                [piece.numel() for piece in pieces], lambda i: _read_pages(pieces[i])
+            )
+            self._touched.add(index)
 
     def pin_slot(self, index: int) -> None:
         """Register slot ``index`` with CUDA (with ``pin``, once, before its first copy), so
@@ -321,6 +342,12 @@ def _pieces(region: segment.Region) -> list[torch.Tensor]:
             cuts.append(offset)
     cuts.append(region.size)
     return [whole[start:end] for start, end in itertools.pairwise(cuts)]
+
+
+def _read_pages(buffer: torch.Tensor) -> None:
+    """Read a byte of every page of ``buffer`` (``touch_slot``)."""
+    if buffer.numel():
+        buffer[:: mmap.PAGESIZE].max()
 
 
 def _segments(region: segment.Region, sizes: Sequence[int]) -> list[torch.Tensor]:

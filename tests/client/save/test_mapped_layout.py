@@ -6,8 +6,10 @@ import mmap
 import os
 
 import torch
+from harness import mapped_kib
 from shmstage_client.save.slots import MappedLayout
 
+from shmstage import segment
 from shmstage.layout import Layout, TensorSpec
 
 
@@ -54,3 +56,28 @@ def test_a_slots_views_are_built_when_it_is_announced_and_handed_out_once_it_is_
         mapped.close()
         for fd in fds:
             os.close(fd)
+
+
+def test_an_unpinned_slot_is_mapped_in_before_its_first_copy(instance_id: str) -> None:
+    """A slot that is not pinned (a CPU state dict) has its pages mapped into the trainer
+    before its first copy (``touch_slot``, which ``make_ready`` calls), by reads that map
+    16 of the daemon's written pages a fault — the copy's writes would fault each 4 KiB page
+    in. Only read: the bytes stay what they were."""
+    layout = layout_of(300)
+    refs = [segment.create(instance_id, size) for size in layout.packing().sizes]
+    mapped = MappedLayout.receiving(1, layout, 1)
+    try:
+        fds = [segment.open_fd(ref, writable=True) for ref in refs]
+        mapped.add_segments(fds)
+        mapped.complete()
+        views = mapped.slots[0]
+        views[-1][7] = 3.0  # what an earlier checkpoint left there
+        region = mapped._regions[0]
+        before = mapped_kib(region.address, region.size)
+        mapped.touch_slot(0)
+        assert mapped_kib(region.address, region.size) >= region.size // 1024 > 2 * before
+        assert float(views[-1][7]) == 3.0 and float(views[-1].sum()) == 3.0
+    finally:
+        mapped.close()
+        for ref in refs:
+            segment.unlink(ref.name)
