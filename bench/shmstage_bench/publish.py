@@ -276,7 +276,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--total-bytes", type=parse_size, default=parse_size("7GiB"))
     p.add_argument("--tensors", type=int, default=250)
     p.add_argument("--versions", type=int, default=6, help="versions read (first + ring)")
-    p.add_argument("--pings", type=int, default=200, help="tiny versions for the wake-up")
+    p.add_argument(
+        "--pings",
+        type=int,
+        default=1000,
+        help="tiny versions for the wake-up (p99 of 200 was their second slowest: one burst "
+        "of a slow machine set it)",
+    )
     p.add_argument("--saves", type=int, default=3, help="saves of each kind (durable each)")
     p.add_argument("--step-seconds", type=float, default=5.0)
     p.add_argument("--socket", default=None)
