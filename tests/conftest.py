@@ -1,7 +1,9 @@
-"""Shared fixtures: a real shmstaged process on a private socket, and its segments."""
+"""Shared fixtures: a real shmstaged process on a private socket, and its segments; and the
+order in which ``make test``'s workers take the tests (slowest first)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -9,6 +11,66 @@ import pytest
 from harness import STARTED, RawClient, RunningDaemon, start_daemon
 
 from shmstage import instance, segment
+
+#: Seconds each test file took (its tests' setup, call and teardown) in a recent run of the
+#: whole suite on two workers: what ``make test``'s workers sort the files by. A hint, never
+#: a result: a file missing from it counts as quick, a stale figure costs time at most.
+#: ``--write-durations`` writes it anew from a run.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-durations",
+        action="store_true",
+        help=f"write tests/{DURATIONS.name}: each test file's seconds in this run",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: ``--dist loadfile --no-loadscope-reorder``), the
+    slowest files first. A worker takes a whole file, so a module's shared fixtures (a
+    daemon, a forkserver that imported a framework, a training run) are built once, not
+    once on each worker; and the next file goes to whichever worker runs short, so with
+    the longest started first no long file starts last while the other worker has nothing
+    left to do (that tail was most of a minute)."""
+    if hasattr(config, "workerinput"):
+        seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The ``node_wide`` run (``-m node_wide``, alone after the rest) reads only the test
+    files that name the mark: importing the others cost it seconds of its half-minute.
+    (A mark comes from a file's own text: no hook here adds one.)"""
+    if (
+        config.getoption("markexpr") == "node_wide"
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+    ):
+        return "node_wide" not in collection_path.read_text(errors="replace") or None
+    return None
+
+
+class DurationRecorder:
+    """``--write-durations``: adds up each file's test phases as the reports come in (from
+    the workers, under xdist), and writes them at the end, the slowest first."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        path = report.nodeid.split("::")[0]
+        self.seconds[path] = self.seconds.get(path, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        ordered = sorted(self.seconds.items(), key=lambda kv: (-kv[1], kv[0]))
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in ordered}, indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("write_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationRecorder(), "shmstage-durations")
 
 
 @pytest.fixture(autouse=True, scope="session")

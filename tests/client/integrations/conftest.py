@@ -67,8 +67,7 @@ print(json.dumps(found))
 
 @pytest.fixture(scope="session")
 def fresh_imports() -> dict[str, Any]:
-    """``FRESH_IMPORTS``' findings. The tests that use it share an ``xdist_group``, so that
-    one worker runs them all and the interpreter starts once."""
+    """``FRESH_IMPORTS``' findings, for the three modules' tests (once a worker)."""
     done = subprocess.run(
         [sys.executable, "-c", FRESH_IMPORTS], capture_output=True, text=True, timeout=120
     )

@@ -237,7 +237,6 @@ def test_saving_again_at_a_path_replaces_it_only_once_the_new_checkpoint_is_dura
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
 
 
-@pytest.mark.xdist_group("fresh_imports")
 def test_importing_the_module_needs_no_lightning_and_using_it_names_the_extra(
     fresh_imports: dict[str, Any],
 ) -> None:

@@ -138,7 +138,6 @@ def test_a_save_whose_daemon_is_gone_fails_at_the_wait_naming_it_and_publishes_n
     assert not [name for name in result["lost_folder"] if name.startswith("step-")]
 
 
-@pytest.mark.xdist_group("fresh_imports")
 def test_importing_the_module_needs_no_torchtitan_and_using_it_names_the_extra(
     fresh_imports: dict[str, Any],
 ) -> None:

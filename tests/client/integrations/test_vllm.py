@@ -309,7 +309,6 @@ def test_without_vllm_the_backend_class_names_what_to_install() -> None:
         shmstage_vllm.register()
 
 
-@pytest.mark.xdist_group("fresh_imports")
 def test_importing_the_module_imports_no_vllm(fresh_imports: dict[str, Any]) -> None:
     """In a fresh interpreter (``conftest.FRESH_IMPORTS``)."""
     assert fresh_imports["vllm"] == []
