@@ -26,8 +26,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: What each peer still to run is guaranteed when a limit or shmstage row takes its share.
-PEER_FLOOR_S = 30.0
+#: What each peer still to run is guaranteed when a limit or shmstage row takes its share,
+#: and when a method before it stretches: about a peer's setup and first save at 8 GiB on
+#: the H100 (20-35 s; 2026-11-27, whose slower disk left the last three peers 12-17 s
+#: when the stretch kept 16 s for each).
+PEER_FLOOR_S = 25.0
 #: The same for a limit or shmstage row still to run.
 OTHER_FLOOR_S = 20.0
 #: Below this, a method's process is not started: it could not even build its state dict.
@@ -111,8 +114,9 @@ class Planner:
         if self.bracket_at is not None:
             reserve = closing_reserve(left, pending, self.bracket_s)
         seconds = share(left, self.kinds[i:], reserve)
-        # what the methods after it could give up and still start
-        spare = left - reserve - seconds - MIN_SHARE_S * 2 * (pending - 1)
+        # what the methods after it could give up and still run their first saves
+        floors = sum(PEER_FLOOR_S if k == "peer" else OTHER_FLOOR_S for k in self.kinds[i + 1 :])
+        spare = left - reserve - seconds - floors
         stretch = max(0.0, min(seconds * STRETCH, spare))
         return seconds, stretch, too_small(seconds, pending, reserve, left)
 
@@ -167,15 +171,19 @@ class RepeatPlan:
         self.guessed = self.ran == 0 and now + self.last_save_s * FIRST_REPEAT_GUESS <= end
         return self.guessed
 
-    def guess_missed(self) -> str:
-        """The row's note when a first repeat let through on the guess was abandoned at the
-        share's end (the row keeps its first save), or "" when there was no such guess."""
-        if not self.guessed:
-            return ""
+    def abandoned_at_share_end(self) -> str:
+        """The row's note when a repeat was abandoned where the share ended (a repeat slower
+        than the save before it, or a first repeat let through on FIRST_REPEAT_GUESS): the
+        plan's guess missed, the method did not fail, and the row keeps its saves."""
+        why = (
+            "tried on the chance that it was faster"
+            if self.guessed
+            else "planned on the last save's time"
+        )
         return (
-            f"0 repeats of {self.wanted} (budget: its share was {self.share_s:.0f} s; the "
-            f"first save took {self.last_save_s:.1f} s, and the first repeat, tried on the "
-            f"chance that it was faster, had not ended when the share did: abandoned)"
+            f"{self.ran} repeat{'' if self.ran == 1 else 's'} of {self.wanted} (budget: its "
+            f"share was {self.share_s:.0f} s; a save took {self.last_save_s:.1f} s, and the "
+            f"next, {why}, had not ended when the share did: abandoned)"
         )
 
     def save_timeout(self, now: float, save_timeout: float | None) -> float | None:

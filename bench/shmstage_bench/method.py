@@ -237,6 +237,7 @@ def measure(
     plan = plan or RepeatPlan(repeats)
     res = MethodResult(method.name, method.kind, method.description, fds_before=open_fds())
     abandoned = False
+    cut = ""  # why a repeat was abandoned at the share's end
     try:
         try:
             method.setup(state_dict)
@@ -261,7 +262,8 @@ def measure(
                 break
             except SaveHung as e:
                 abandoned = True
-                if plan.guess_missed():  # a gamble on time, not a failure: noted below
+                if i > 0 and plan.hung_reason(limit, timeout):  # the plan's guess missed
+                    cut = plan.abandoned_at_share_end()
                     break
                 res.status, res.error = "error", f"save {i + 1}: {e}"
                 log(f"{method.name}: {res.error}")
@@ -284,7 +286,7 @@ def measure(
                 f"{method.name}: save {i + 1}/{repeats + 1} stall={timing.stall_s} "
                 f"durable={timing.durable_s}"
             )
-        short = (plan.guess_missed() or plan.cut_short()) if res.status == "ok" else ""
+        short = (cut or plan.cut_short()) if res.status == "ok" else ""
         if short:
             res.note = "; ".join(filter(None, [res.note, short]))
             log(f"{method.name}: {short}")
