@@ -20,10 +20,11 @@ Bounds and order: the scratch of a device is at most ``gather_bytes`` (``SHMSTAG
 default 64 MiB, 0: never gather), allocated on first need on the side stream, sized to the
 largest batch, and kept: all of a device's gathers and the copies out of its scratch run on
 the one side stream, so stream order alone keeps a batch from overwriting the scratch
-before the previous batch's copy to the host has read it. One buffer, not two on two
-streams: device memory moves a batch ~40× faster than the link, so the gather is a few
-per cent of the copy it precedes, which is all a second buffer could hide — and the host
-queues the next batch's kernels while the link still copies the last one anyway. Kept,
+before the previous batch's copy to the host has read it. One buffer by default, not two
+on two streams: device memory moves a batch ~40× faster than the link, so the gather
+should be a few per cent of the copy it precedes, which is all a second buffer could hide,
+and the host queues the next batch's kernels while the link still copies the last one
+anyway (``Gatherer(buffers=2)`` is the experiment that measures it; not yet run). Kept,
 not freed after each save: the next save needs it again, and freeing returns it to the
 caching allocator, which keeps the memory reserved all the same; ``Stager.close`` drops it.
 """
