@@ -27,6 +27,7 @@ from shmstage.segment import SegmentRef
 from shmstage_daemon import requests
 from shmstage_daemon.requests import RequestError
 from shmstage_daemon.retention import Retention
+from shmstage_daemon.segments import BACKGROUND_CREATE_THREADS
 from shmstage_daemon.session import Handler, Session
 from shmstage_daemon.settings import Settings
 from shmstage_daemon.slot import Slot, SlotState
@@ -52,7 +53,7 @@ class Registration:
         *,
         stopping: Callable[[], bool],
         check_capacity: Callable[[int], None],
-        create_segments: Callable[[Layout, int], Awaitable[list[list[SegmentRef]]]],
+        create_segments: Callable[[Layout, int, int], Awaitable[list[list[SegmentRef]]]],
         release: Callable[[StagedLayout], None],
         unlink_later: Callable[[list[str]], Any],
         drop_prepared: Callable[[StagedLayout, Slot], None],
@@ -66,7 +67,8 @@ class Registration:
         self._stopping = stopping
         #: Refuses what /dev/shm or the node's memory cannot back now (SHM_EXHAUSTED).
         self._check_capacity = check_capacity
-        #: Makes a layout's segments for some slots, in an I/O thread; all or nothing.
+        #: Makes a layout's segments for some slots, in an I/O thread, on up to so many
+        #: setup threads; all or nothing.
         self._create_segments = create_segments
         #: Releases a layout (its segments go once no job or lease holds them).
         self._release = release
@@ -198,12 +200,19 @@ class Registration:
         self._telemetry.registered(created=staged.segment_count - adopted, adopted=adopted)
         return staged, adopted
 
-    async def _make_slots(self, layout: Layout, slots: int, nbytes: int) -> list[list[SegmentRef]]:
-        """Create ``slots`` slots' segments (``nbytes``, already charged), in an I/O thread;
-        a full /dev/shm is the client's SHM_EXHAUSTED, and the caller undoes the charge."""
+    async def _make_slots(
+        self,
+        layout: Layout,
+        slots: int,
+        nbytes: int,
+        threads: int = segment.MAX_CREATE_THREADS,
+    ) -> list[list[SegmentRef]]:
+        """Create ``slots`` slots' segments (``nbytes``, already charged), in an I/O thread
+        on up to ``threads`` setup threads; a full /dev/shm is the client's SHM_EXHAUSTED,
+        and the caller undoes the charge."""
         self._check_capacity(nbytes)
         try:
-            return await self._create_segments(layout, slots)
+            return await self._create_segments(layout, slots, threads)
         except segment.SegmentError as exc:
             raise RequestError(ErrorCode.SHM_EXHAUSTED, str(exc)) from None
 
@@ -225,7 +234,9 @@ class Registration:
         if nbytes:
             nsegments = len(staged.layout.packing()) * extra
             try:
-                refs = await self._make_slots(staged.layout, extra, nbytes)
+                refs = await self._make_slots(
+                    staged.layout, extra, nbytes, BACKGROUND_CREATE_THREADS
+                )
             except BaseException:
                 self._store.unreserve(staged.uid, nbytes, nsegments, layouts=0)
                 raise

@@ -29,6 +29,11 @@ log = logging.getLogger("shmstaged")
 
 #: How often staged segments are checked for a size a client changed (``segment.fix_size``).
 SIZE_CHECK_INTERVAL_S = 10.0
+#: Threads that make the slots a client adds behind its first save (``add_slots``): they
+#: write zeros over the new memory while the trainer computes, so as few as the client's
+#: own background setup (on an H100 host, 8 threads of page work slowed a training step
+#: ~1.1x while they ran).
+BACKGROUND_CREATE_THREADS = 4
 #: How long after segments are given back the daemon's heap is trimmed (``heap.trim``):
 #: by then what described their layout has been freed too.
 TRIM_DELAY_S = 1.0
@@ -59,10 +64,13 @@ class Segments:
             self._trim.cancel()
         self._io.shutdown(wait=False, cancel_futures=True)
 
-    def create(self, layout: Layout, slots: int) -> list[list[SegmentRef]]:
-        """Runs in an I/O thread, fanning large layouts out to setup threads (up to
-        ``segment.MAX_CREATE_THREADS``: a first save waits for them); all or nothing. A
-        test's ``register`` fault hook holds it after the first segment."""
+    def create(
+        self, layout: Layout, slots: int, threads: int = segment.MAX_CREATE_THREADS
+    ) -> list[list[SegmentRef]]:
+        """Runs in an I/O thread, fanning large layouts out to up to ``threads`` setup
+        threads (a registration: a first save waits for them; slots added behind it take
+        ``BACKGROUND_CREATE_THREADS``); all or nothing. A test's ``register`` fault hook
+        holds it after the first segment."""
         sizes = list(layout.packing().sizes) * slots
         refs: list[SegmentRef | None] = [None] * len(sizes)
 
@@ -78,7 +86,7 @@ class Segments:
             segment.in_parallel(
                 sizes[first:],
                 lambda index: make(index + first),
-                segment.MAX_CREATE_THREADS,
+                threads,
                 segment.CREATE_MIN_BYTES,
             )
         except BaseException:
