@@ -10,11 +10,13 @@ the copy of the previous one. No daemon: segments in /dev/shm, mapped as the rin
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import mmap
 import os
 import queue
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +92,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--total-gib", type=float, default=7)
     p.add_argument("--segments", type=int, default=250)
+    p.add_argument("--only-register", action="store_true",
+                   help="registration alone: flags, piece sizes, a huge-page tmpfs")
+    p.add_argument("--publisher-pins", action="store_true",
+                   help="another process maps the segments writable and registers them first, "
+                   "as a publisher's Stager does")
     p.add_argument("--only-pipeline", action="store_true", help="G beside readers, then H")
     p.add_argument("--only-ring", action="store_true", help="only H: later versions' copies")
     args = p.parse_args()
@@ -138,16 +145,41 @@ def main() -> None:
     if args.only_ring:
         ring_copies(names, sizes, target)
         return
+    if args.publisher_pins:
+        publisher = subprocess.Popen(
+            [sys.executable, "-c", _PUBLISHER, *names], stdout=subprocess.PIPE, text=True
+        )
+        assert publisher.stdout is not None and publisher.stdout.readline().strip() == "pinned"
+        print("a publisher process registered the segments (writable) first")
+        atexit.register(publisher.kill)
+    if args.only_register:
+        registration_costs(names, sizes)
+        for name in names:
+            os.unlink(name)
+        return
     if args.only_pipeline:
-        for round_ in range(3):
-            for kind in ("ring", "two-threads", "ring+cat"):
+        for round_ in range(2):
+            for kind in ("ring", "ring-nocopy", "sequential", "two-threads"):
                 region = map_region(names, sizes)
                 readers = 4 if kind.endswith("cat") else 0
                 busy = [
                     subprocess.Popen(["cat", *names[i::readers]], stdout=subprocess.DEVNULL)
                     for i in range(readers)
                 ]
-                if kind.startswith("ring"):
+                if kind == "ring-nocopy":
+                    took = pipeline(region, target, 28, copy=False)
+                elif kind == "sequential":
+                    bases: list[int] = []
+                    sync()
+                    s = time.perf_counter()
+                    touch(region.address, region.size)
+                    register(region.address, region.size, bases)
+                    src = torch.frombuffer(region.buffer(), dtype=torch.uint8)
+                    target[: region.size].copy_(src)
+                    sync()
+                    took = time.perf_counter() - s
+                    pinning.unregister(bases)
+                elif kind.startswith("ring"):
                     took = pipeline(region, target, 28)
                 else:
                     took = two_threads(region, target, rt, stream, lock)
@@ -267,6 +299,73 @@ def main() -> None:
     ring_copies(names, sizes, target)
 
 
+_PUBLISHER = """
+import os, sys, time, torch
+from shmstage import segment
+from shmstage_client import pinning
+names = sys.argv[1:]
+sizes = [os.stat(n).st_size for n in names]
+region = segment.Region(sizes)
+for i, n in enumerate(names):
+    fd = os.open(n, os.O_RDWR)
+    region.map(i, fd, writable=True)
+    os.close(fd)
+torch.cuda.init()
+bases = []
+pinning.register_range(region.address, region.size, pinning.HOST_REGISTER_PORTABLE, bases)
+print("pinned", flush=True)
+time.sleep(600)
+"""
+
+
+def registration_costs(names: list[str], sizes: list[int]) -> None:
+    """I: registering 7 GiB read in first, by flags and by piece size; then the same bytes in
+    a tmpfs mounted with huge=always (if this process may mount one)."""
+    for flags, label in ((READ_ONLY, "ro|portable"), (0x08, "ro")):
+        for piece in (64 << 20, 256 << 20, 1 << 30, 1 << 40):
+            region = map_region(names, sizes)
+            touch(region.address, region.size)
+            bases: list[int] = []
+            s = time.perf_counter()
+            for a, b in pinning.page_pieces(region.size, piece):
+                pinning.register_range(region.address + a, b - a, flags, bases)
+            took = time.perf_counter() - s
+            pinning.unregister(bases)
+            region.close()
+            print(f"I: register {label:12} pieces of {min(piece, region.size) >> 20:5} MiB: "
+                  f"{took:.4f} s")  # fmt: skip
+    mount = "/tmp/fv-huge"
+    os.makedirs(mount, exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=16g", "none", mount])
+    if made.returncode:
+        print("I: no huge-page tmpfs here")
+        return
+    try:
+        huge = []
+        for i, name in enumerate(names):
+            path = f"{mount}/seg-{i}"
+            with open(name, "rb") as src, open(path, "wb") as dst:
+                dst.write(src.read())
+            huge.append(path)
+        region = map_region(huge, sizes)
+        s = time.perf_counter()
+        touch(region.address, region.size)
+        touched = time.perf_counter() - s
+        bases = []
+        s = time.perf_counter()
+        for a, b in pinning.page_pieces(region.size, 256 << 20):
+            pinning.register_range(region.address + a, b - a, READ_ONLY, bases)
+        took = time.perf_counter() - s
+        with open("/proc/meminfo") as info:
+            hugepages = info.read().split("ShmemHugePages:")[1].split("\n")[0].strip()
+        print(f"I: huge=always tmpfs: read in {touched:.4f} s, register {took:.4f} s; "
+              f"ShmemHugePages {hugepages}")  # fmt: skip
+        pinning.unregister(bases)
+        region.close()
+    finally:
+        subprocess.run(["umount", "-l", mount])
+
+
 def two_threads(region: segment.Region, target: torch.Tensor, rt, stream, lock) -> float:
     """G's first design: 2 threads each reading a piece in and registering it."""
     pieces = pinning.page_pieces(region.size, -(-region.size // 28 // 4096) * 4096)
@@ -301,7 +400,9 @@ def two_threads(region: segment.Region, target: torch.Tensor, rt, stream, lock) 
     return took
 
 
-def pipeline(region: segment.Region, target: torch.Tensor, count: int) -> float:
+def pipeline(
+    region: segment.Region, target: torch.Tensor, count: int, copy: bool = True
+) -> float:
     """The ring's first version as ``Ring.pieces`` and ``Version._copy`` do it: pieces
     read in on one thread and registered on another, each copied once registered."""
     from shmstage_client.subscribe import ring
@@ -321,7 +422,8 @@ def pipeline(region: segment.Region, target: torch.Tensor, count: int) -> float:
         start = time.perf_counter()
         src = torch.frombuffer(region.buffer(), dtype=torch.uint8)
         for first, last, pinned in ours.pieces(0, device, 0, region.size):
-            target[first:last].copy_(src[first:last], non_blocking=pinned)
+            if copy:
+                target[first:last].copy_(src[first:last], non_blocking=pinned)
         sync()
         took = time.perf_counter() - start
     finally:
