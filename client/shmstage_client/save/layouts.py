@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,23 +83,32 @@ class Layouts:
         return self.current is not None and bool(self.current.pinned)
 
     def mapped(
-        self, flat: Flattened, *, slots: int | None, pin: bool | str, timeout: float
+        self,
+        flat: Flattened,
+        *,
+        slots: int | None,
+        pin: bool | str,
+        timeout: float,
+        meanwhile: Meanwhile | None = None,
     ) -> MappedLayout:
         """Reuse the registered layout when the structure is identical, else replace it.
 
         The steady-state check compares the tensors' own properties with those the layout
         was built from, so an unchanged structure costs neither a new Layout nor its
-        validation (milliseconds at 10,000 tensors).
+        validation (milliseconds at 10,000 tensors). ``meanwhile``: work a registration
+        does while the daemon makes the segments (see ``Meanwhile``).
         """
         current = self.current
         if current is not None and current.whole and flat.matches(current.signature):
             return current
         layout = flat.layout()
+        groups = device_groups([tensor.device for tensor in flat.tensors])
         if current is None or current.layout != layout or not current.whole:
-            current = self._register(layout, slots, _wants_pin(pin, flat.tensors), timeout)
+            wants = _wants_pin(pin, flat.tensors)
+            current = self._register(layout, slots, wants, timeout, meanwhile, groups)
             self.current = current
         current.signature = flat.signature
-        current.groups = device_groups([tensor.device for tensor in flat.tensors])
+        current.groups = groups
         return current
 
     def acquire(
@@ -168,7 +178,13 @@ class Layouts:
         self.current = None
 
     def _register(
-        self, layout: Layout, slots: int | None, pin: bool, timeout: float
+        self,
+        layout: Layout,
+        slots: int | None,
+        pin: bool,
+        timeout: float,
+        meanwhile: Meanwhile | None = None,
+        groups: dict[torch.device, list[int]] | None = None,
     ) -> MappedLayout:
         """Release the old layout, register ``layout`` and map its segments.
 
@@ -177,7 +193,9 @@ class Layouts:
         retained layout the daemon hands back (adoption) comes with all the slots it kept.
 
         The segments' descriptors arrive in batches no larger than this process can hold
-        (``receivable_fds``), each mapped and closed before the next is read.
+        (``receivable_fds``), each mapped and closed before the next is read. While the
+        daemon makes them, this process reserves the slot's address space, builds its views
+        and runs ``meanwhile`` (the first copy's plan).
         """
         if self.current is not None:
             old, self.current = self.current, None
@@ -196,6 +214,8 @@ class Layouts:
             # The slot's address space and views while the daemon makes its segments; the
             # layout's number once it answered.
             mapped = MappedLayout.receiving(0, layout, request["slots"])
+            if meanwhile is not None and groups is not None and mapped.slot_count:
+                _while_waiting(meanwhile, mapped.announced_views(0), groups, layout)
             reply = handle.next(timeout)
             mapped.id = reply.body["layout"]
             if reply.body["slots"] < mapped.slot_count:
@@ -313,6 +333,27 @@ class Layouts:
         for index in range(first, mapped.slot_count):
             mapped.prefault_slot(index, threads)
             mapped.mark_ready(index + 1)  # a save may take it already
+
+
+#: What a registration may do while the daemon makes the segments, given the first slot's
+#: views (shapes, strides and dtypes only: their memory is not mapped yet, and touching it
+#: faults), the tensors' places by device and the layout: the Stager plans the first save's
+#: copy there (``CopyEngine.prepare``), which it would otherwise do inside the copy.
+Meanwhile = Callable[[Sequence[torch.Tensor], Mapping[torch.device, Sequence[int]], Layout], None]
+
+
+def _while_waiting(
+    meanwhile: Meanwhile,
+    views: Sequence[torch.Tensor],
+    groups: Mapping[torch.device, Sequence[int]],
+    layout: Layout,
+) -> None:
+    """Run ``meanwhile``; a failure there costs nothing but its head start (the copy does
+    the same work again, and reports what fails then)."""
+    try:
+        meanwhile(views, groups, layout)
+    except Exception as exc:  # never a registration's failure
+        log.debug("work ahead of the first copy failed (%s); the copy does it instead", exc)
 
 
 def _wants_pin(pin: bool | str, tensors: list[torch.Tensor]) -> bool:

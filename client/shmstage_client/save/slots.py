@@ -144,6 +144,13 @@ class MappedLayout:
                 region.close()
             raise
 
+    def announced_views(self, index: int) -> list[torch.Tensor]:
+        """Slot ``index``'s typed views, whether or not its segments are mapped yet: until
+        they are, for their shapes, strides and dtypes only (``Layouts._register``)."""
+        if index < len(self.slots):
+            return self.slots[index]
+        return self._views[index - len(self.slots)]
+
     @property
     def slot_count(self) -> int:
         """Slots announced so far, whether or not all their segments arrived yet."""

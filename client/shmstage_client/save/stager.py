@@ -425,7 +425,14 @@ class Stager:
         """Reuse or register the layout and take a slot: the stall before the copy."""
         self._reconnect_if_lost()
         timeout = self.request_timeout
-        mapped = self._layouts.mapped(flat, slots=self.slots, pin=self.pin, timeout=timeout)
+
+        def plan_copy(views: Any, groups: Any, layout: Any) -> None:
+            """A new layout's first copy planned while the daemon makes its segments."""
+            self._copier.prepare(views, flat.tensors, groups, None, layout)
+
+        mapped = self._layouts.mapped(
+            flat, slots=self.slots, pin=self.pin, timeout=timeout, meanwhile=plan_copy
+        )
         clock.lap("setup")
         slot = self._layouts.acquire(
             mapped, wait=self.wait_for_slot, slot_timeout=self.slot_timeout, timeout=timeout
