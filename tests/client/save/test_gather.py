@@ -115,7 +115,7 @@ def test_a_tensor_larger_than_the_bound_goes_direct() -> None:
 
 
 def test_the_scratch_bound_comes_from_the_environment() -> None:
-    assert gather_bytes_from_env({}) == 64 << 20
+    assert gather_bytes_from_env({}) == 0  # off until its GPU tests pass
     assert gather_bytes_from_env({"SHMSTAGE_GATHER_BYTES": "0"}) == 0
     assert gather_bytes_from_env({"SHMSTAGE_GATHER_BYTES": " 1048576 "}) == 1 << 20
     for bad in ("-1", "64MiB"):
