@@ -127,8 +127,15 @@ class Ring:
         as (start, end, registered), each yielded once its piece is registered with CUDA
         for ``device`` (the slot's first use starts that, and it is kept while the ring
         lives). ``registered`` False: CUDA refused, copy that piece at pageable speed (one
-        warning per ring). Copy each piece as it comes: the next registers meanwhile."""
+        warning per ring). Copy each piece as it comes: the next registers meanwhile.
+        The registration starts on this call, before the first piece is asked for (the
+        caller allocates its buffer meanwhile)."""
         registration = self._registration(slot, device)
+        return self._ready(registration, start, end)
+
+    def _ready(
+        self, registration: _Registration, start: int, end: int
+    ) -> Iterator[tuple[int, int, bool]]:
         for (first, last), done in zip(registration.pieces, registration.done, strict=True):
             if last <= start or first >= end:
                 continue

@@ -315,16 +315,18 @@ class Version:
         region = self._ring.region(self._slot)
         size = max(end - start, 0)
         source = torch.frombuffer(region.buffer(), dtype=torch.uint8)
-        target = torch.empty(size, dtype=torch.uint8, device=device)
         if device.type != "cuda" or not size:
+            target = torch.empty(size, dtype=torch.uint8, device=device)
             target.copy_(source[start : start + size])
             return target
         if device.index is None:  # the ring registers on threads whose device is 0
             device = torch.device("cuda", torch.cuda.current_device())
+        pieces = self._ring.pieces(self._slot, device, start, end)  # registering from now
+        target = torch.empty(size, dtype=torch.uint8, device=device)
         stream = torch.cuda.current_stream(device)
         try:
             with torch.cuda.device(device):
-                for first, last, pinned in self._ring.pieces(self._slot, device, start, end):
+                for first, last, pinned in pieces:
                     piece = target[first - start : last - start]
                     piece.copy_(source[first:last], non_blocking=pinned)
         finally:  # never leave a DMA running from a mapping its ring may close next
