@@ -6,10 +6,13 @@ segment its publisher truncated is an error, not a fault that kills the daemon.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import mmap
 import os
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import crc32c
 import pytest
@@ -76,3 +79,46 @@ def test_a_segment_truncated_by_its_publisher_is_an_error_not_a_fault(
             versionsums.compute(layout, refs, pool)
     finally:
         segment.unlink(refs[0].name)
+
+
+def test_a_slots_first_version_is_checksummed_after_its_readers_register_it_later_ones_at_once(
+    instance_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first version in a slot waits (its readers register the slot with CUDA then,
+    and a checksum pass over the same pages slowed that by half); the next in that slot
+    does not. Real segments; the channel bookkeeping is a stand-in that records what the
+    daemon's ``Channels.checksummed`` would be told, and when."""
+    layout = Layout((TensorSpec("w", "F32", (1024,)),))
+    monkeypatch.setattr(versionsums, "FIRST_LAP_S_PER_GIB", 1.0 * (1 << 30) / layout.nbytes)
+    refs, contents = staged(layout, instance_id)
+    heard: list[tuple[int, list[int] | None, float]] = []
+
+    class Told:
+        def checksummed(self, version: SimpleNamespace, sums: list[int] | None) -> None:
+            heard.append((version.step, sums, time.monotonic()))
+
+    slot = SimpleNamespace(serial=1, segments=refs, version=None)
+    staged_layout = SimpleNamespace(layout=layout)
+
+    async def publish_twice() -> list[float]:
+        sums = versionsums.VersionSums(Told())  # type: ignore[arg-type]
+        started = []
+        try:
+            for step in (1, 2):
+                slot.version = SimpleNamespace(staged=staged_layout, slot=slot, step=step)
+                started.append(time.monotonic())
+                sums.start(slot.version, 0)  # type: ignore[arg-type]
+                while len(heard) < step:
+                    await asyncio.sleep(0.005)
+        finally:
+            sums.shutdown()
+        return started
+
+    try:
+        started = asyncio.run(asyncio.wait_for(publish_twice(), 30))
+    finally:
+        segment.unlink(refs[0].name)
+    want = [crc32c.crc32c(contents[0])]
+    assert [(step, sums) for step, sums, _ in heard] == [(1, want), (2, want)]
+    assert heard[0][2] - started[0] >= 0.95  # waited for its readers
+    assert heard[1][2] - started[1] < 0.95  # the next lap did not
