@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
 import os
 
 import torch
 from harness import mapped_kib
+from shmstage_client.connection import DaemonConnection
+from shmstage_client.save.layouts import Layouts
 from shmstage_client.save.slots import MappedLayout
+from shmstage_client.statedict import Flattened
+from shmstage_client.structure import Structures
 
 from shmstage import segment
 from shmstage.layout import Layout, TensorSpec
@@ -81,3 +86,37 @@ def test_an_unpinned_slot_is_mapped_in_before_its_first_copy(instance_id: str) -
         mapped.close()
         for ref in refs:
             segment.unlink(ref.name)
+
+
+def test_a_registration_runs_its_meanwhile_work_on_unmapped_views_and_survives_its_failure(
+    daemon,
+) -> None:
+    """``Layouts.mapped(meanwhile=)`` (the Stager plans its first copy there) gets the first
+    slot's views, the tensors' places by device and the layout before the daemon's answer
+    is read: the views are not handed out yet, their shapes, strides and dtypes are those
+    of the mapped slot to come. Work that fails there costs the registration nothing."""
+    state = {f"w{i}": torch.full((i % 7 + 1, 5), float(i)) for i in range(300)}
+    flat = Flattened.of(state, None, structures=Structures())
+    seen: list[tuple[int, list[tuple[torch.Size, tuple[int, ...], torch.dtype]], bool]] = []
+
+    def meanwhile(views, groups, layout) -> None:
+        described = [(view.shape, view.stride(), view.dtype) for view in views]
+        grouped = dict(groups) == {torch.device("cpu"): list(range(300))}
+        seen.append((len(layout.tensors), described, grouped and layouts.current is None))
+        raise RuntimeError("planning failed")
+
+    connection = DaemonConnection(str(daemon.socket))
+    with concurrent.futures.ThreadPoolExecutor(1) as background:
+        layouts = Layouts(connection, background)
+        try:
+            mapped = layouts.mapped(flat, slots=1, pin=False, timeout=30, meanwhile=meanwhile)
+            [(count, described, grouped)] = seen
+            assert count == 300 and grouped
+            views = mapped.slots[0]
+            assert described == [(view.shape, view.stride(), view.dtype) for view in views]
+            torch._foreach_copy_(views, list(state.values()))  # the mapped slot takes a copy
+            assert all(torch.equal(v, s) for v, s in zip(views, state.values(), strict=True))
+        finally:
+            layouts.release()
+            layouts.close(landed=True)
+            connection.close()
