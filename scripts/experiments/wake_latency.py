@@ -50,6 +50,16 @@ for _n in ("publish", "pin", "_tell", "unpin"):
 for _n in ("start", "_done"):
     _traced(versionsums.VersionSums, _n)
 _traced(versionsums, "compute")
+import gc
+_gc_started = [0.0]
+def _gc(phase, info):
+    if phase == "start":
+        _gc_started[0] = time.time()
+    else:
+        took = 1000 * (time.time() - _gc_started[0])
+        print("TRACE %.6f gc-gen%d %.3f" % (_gc_started[0], info["generation"], took),
+              file=sys.stderr)
+gc.callbacks.append(_gc)
 """
 _NO_SUMS = """
 from shmstage_daemon import versionsums
@@ -158,6 +168,10 @@ def main() -> None:
         ops = []
         for at, name, took in re.findall(r"TRACE (\S+) (\S+) ([0-9.]+)", log):
             ops.append((float(at), f"daemon {name} ({took} ms)"))
+        collections = [float(took) for _, name, took in re.findall(
+            r"TRACE (\S+) (gc-gen\d) ([0-9.]+)", log)]  # fmt: skip
+        if collections:
+            print(f"daemon GC: {len(collections)} collections, longest {max(collections):.3f} ms")
         slowest = [step for _, step in delays[-args.trace :]]
         for step in sorted(set(range(1, args.trace + 1)) | set(slowest)):
             events = timeline[step]
