@@ -116,6 +116,11 @@ class Ring:
 
     def drop(self, slot: int) -> None:
         """Forget a slot whose segments did not all arrive (mapped again next time)."""
+        with self._lock:
+            registration = self._registrations.pop(slot, None)
+        if registration is not None:  # never unmap a registered range (error 712 later)
+            registration.settle()
+            pinning.unregister(registration.bases)
         region = self._regions.pop(slot, None)
         if region is not None:
             region.close()
