@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from harness import RunningDaemon, skip_unless_installed, start_daemon
 
-pytestmark = skip_unless_installed("transformers", "trl", "datasets")
+pytestmark = skip_unless_installed("transformers", "trl")
 
 HERE = Path(__file__).parent
 NOBODY = 65534
