@@ -46,7 +46,7 @@ def main() -> None:
         copier = stager._copier  # the test hook: stall inside the copy, half done
         copy = copier.copy
 
-        def half_then_stall(destinations, sources, groups=None):  # type: ignore[no-untyped-def]
+        def half_then_stall(destinations, sources, *rest):  # type: ignore[no-untyped-def]
             copy(destinations[:1], sources[:1])
             say("COPYING")
             time.sleep(300)
