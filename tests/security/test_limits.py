@@ -420,7 +420,11 @@ def test_a_checkpoint_whose_segment_its_owner_truncated_is_not_leased_from_memor
                 say("REFUSED", when, exc.code, exc.message)
             handle.finish()
             reader.close()
-            time.sleep(12)  # the daemon's size check (every 10 s) puts it back meanwhile
+            # The daemon's size check (every 10 s) puts it back: wait for that, not 12 s.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and sizes(fds)[0] != (4096, 4096):
+                time.sleep(0.1)
+            time.sleep(0.5)  # the loop drops the held checkpoint just after the size is back
         say("SIZE", sizes(fds))
         """,
     )
