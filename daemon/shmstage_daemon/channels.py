@@ -250,16 +250,8 @@ class Channels:
         ``name``; returns it and the subscriptions to tell. The caller has checked that the
         publisher holds the slot (or that it holds the commit being published)."""
         channel = self._publishable(uid, name, step, share)
-        version = Version(
-            self._store.next_id(),
-            step,
-            channel.id,
-            staged,
-            slot,
-            tree,
-            metadata,
-            packed_tree or msgpack.packb(tree, use_bin_type=True),
-            job,
+        version = self._version(
+            channel, step, staged, slot, tree, metadata, packed_tree, job=job
         )
         slot.version = version
         return version, self._visible(channel, version, frozenset(share))
@@ -318,18 +310,9 @@ class Channels:
                 "each rank publishes its own part number once per step",
             )
         channel.part_sessions[part] = session
-        assembly.parts[part] = Version(
-            self._store.next_id(),
-            step,
-            channel.id,
-            staged,
-            slot,
-            tree,
-            metadata,
-            packed_tree or msgpack.packb(tree, use_bin_type=True),
-            part=part,
-            shapes=shapes,
-            session=session,
+        assembly.parts[part] = self._version(
+            channel, step, staged, slot, tree, metadata, packed_tree,
+            part=part, shapes=shapes, session=session,
         )
         if len(assembly.parts) < count:
             return None, []
@@ -350,6 +333,24 @@ class Channels:
             each.slot.version = each
             self._store.release_slot(each.session, each.staged, each.slot)
         return head, self._visible(channel, head, assembly.share)
+
+    def _version(
+        self,
+        channel: Channel,
+        step: int,
+        staged: StagedLayout,
+        slot: Slot,
+        tree: Any,
+        metadata: dict[str, Any],
+        packed_tree: bytes,
+        **rest: Any,
+    ) -> Version:
+        """A new version (or a sharded version's part) of ``channel``: the tree is kept packed
+        as it came, or packed once here, for the readers it is sent to."""
+        packed = packed_tree or msgpack.packb(tree, use_bin_type=True)
+        return Version(
+            self._store.next_id(), step, channel.id, staged, slot, tree, metadata, packed, **rest
+        )
 
     def _publishable(self, uid: int, name: str, step: int, share: Collection[int]) -> Channel:
         """The channel a version (or part) of ``step`` may be published to, opened if new;
