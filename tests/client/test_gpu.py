@@ -659,7 +659,15 @@ def test_gather_saves_100k_mixed_small_cuda_tensors_bit_exact_within_the_scratch
     assert_same(load(ckpt / "a"), want_a)  # the bytes first: they matter most
     assert_same(load(ckpt / "b"), want_b)
     assert 0 < kept <= bound, f"the scratch kept is {kept} bytes"
-    assert peak <= bound + (1 << 20), f"the saves held {peak} bytes of device memory"
+    # A direct copy of a tensor with gaps (every other column) goes through a dense copy of
+    # it on the device, gathering or not: that one (4 MiB of int64 here) is not the gather's.
+    dense_copy = max(
+        (t.numel() * t.itemsize
+        for i, t in enumerate(state.values())
+        if i in large and not (t.is_contiguous() or t.t().is_contiguous())),
+        default=0,
+    )
+    assert peak <= bound + dense_copy + (1 << 20), f"the saves held {peak} bytes of device memory"
 
 
 def test_gather_of_a_guarded_non_blocking_save_is_the_state_at_the_call(

@@ -106,9 +106,8 @@ class Stager:
     state behind the next forward and backward (see ``save``).
 
     ``gather_bytes``: the most device memory per CUDA device that gathering small tensors
-    before their copy to the host may hold (None: ``SHMSTAGE_GATHER_BYTES``, default 0: copy
-    every tensor on its own; 64 MiB is the bound to ask for; see ``save.gather``, off by
-    default until its GPU tests have passed).
+    before their copy to the host may hold (None: ``SHMSTAGE_GATHER_BYTES``, default 64 MiB;
+    0 copies every tensor on its own; see ``save.gather``).
     """
 
     def __init__(

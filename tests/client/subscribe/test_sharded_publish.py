@@ -39,6 +39,9 @@ from shmstage_client.subscribe.sharded import (
 CHANNEL = "sharded-policy"
 PER_NODE = "per-node"
 TIMEOUT = 60.0
+#: Where the reader puts what it reads: on a GPU machine the device too (the ranks publish
+#: from the host: two ranks of one GPU have no NCCL, and gloo gathers no CUDA tensors).
+READ_ON = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 class Net(torch.nn.Module):
@@ -206,14 +209,17 @@ def test_two_fsdp2_ranks_publish_one_version_per_step_seen_whole_only_once_every
                 assert isinstance(version, ShardedVersion) and version.parts == 2
                 assert version.step == 3 and version.metadata == {"loss": 0.3}
                 expected = torch.load(tmp_path / "expected-3.pt")
-                assert_same(version.state("cpu", verify=True), expected)
-                assert version.verified, "each part checked against the daemon's checksums"
-                streamed = dict(version.tensors("cpu", bucket_bytes=512))
-                assert_same(streamed, {f"model.{k}": v for k, v in expected["model"].items()})
-                assert [spec.key for spec in version.specs] == list(streamed)
-                for rank in (0, 1):  # a reader sharded the same way takes its own shards
-                    mine = torch.load(tmp_path / f"local-{rank}-3.pt")
-                    assert_same(version.part(rank).state("cpu"), mine)
+                for device in READ_ON:
+                    assert_same(version.state(device, verify=True), expected)
+                    assert version.verified, "each part checked against the daemon's checksums"
+                    streamed = dict(version.tensors(device, bucket_bytes=512))
+                    assert {t.device.type for t in streamed.values()} == {device}
+                    flat = {f"model.{k}": v for k, v in expected["model"].items()}
+                    assert_same(streamed, flat)
+                    assert [spec.key for spec in version.specs] == list(streamed)
+                    for rank in (0, 1):  # a reader sharded the same way takes its own shards
+                        mine = torch.load(tmp_path / f"local-{rank}-3.pt")
+                        assert_same(version.part(rank).state(device), mine)
                 assert version.sharding(1)["model.a.weight"].offsets == (17, 0)
                 (tmp_path / "go-4").touch()  # step 3 stays pinned while rank 1 dies
                 wait_file(tmp_path / "r0-4")
