@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from shmstage import tree
 from shmstage_client.dcp.writer import _Collected, plan_local
 from shmstage_client.errors import UnsupportedValue
+from shmstage_client.save.guard import Guard
 from shmstage_client.save.publish import Part, Published, publish_flat
 from shmstage_client.save.stager import ReserveInfo, Stager
 from shmstage_client.statedict import Flattened, Signature
@@ -105,12 +106,19 @@ class ShmStagePublisher:
         *,
         step: int,
         metadata: Mapping[str, Any] | None = None,
+        block: bool = True,
     ) -> Published:
         """Stage this rank's part of version ``step`` (local shards, their offsets and
         global shapes) and hand it to the daemon; returns once copied and handed over.
         ``Published.complete`` is True on the rank whose part made the version visible.
         Every rank of the node must call it for each step, with the same ``step``;
-        ``metadata`` is taken from the node's first rank (part 0)."""
+        ``metadata`` is taken from the node's first rank (part 0).
+
+        ``block=False``: as ``Stager.publish``'s — the shards of optimizers passed to
+        ``guard()`` are copied behind the next step, the others before returning. When some
+        are, the part is handed over once its copy landed: ``complete`` is None at return,
+        and ``Published.visible()`` waits for the hand-over and says whether this part
+        completed the version. The next publish waits for this one's copy."""
         stager = self._connect()
         shapes: dict[str, list[int]] = {}
 
@@ -122,8 +130,13 @@ class ShmStagePublisher:
         part = Part(self.part or 0, self.parts or 1, shapes, self.within)
         return publish_flat(
             stager, flatten, self.name, step=step, metadata=metadata, share=self.share,
-            part=part,
+            block=block, part=part,
         )  # fmt: skip
+
+    def guard(self, *optimizers: torch.optim.Optimizer) -> Guard:
+        """``Stager.guard`` for this publisher's Stager: let ``publish(..., block=False)``
+        copy these optimizers' parameters and state behind the next step."""
+        return self._connect().guard(*optimizers)
 
     def reserve(self, state_dict: Mapping[str, Any]) -> ReserveInfo:
         """Set up every slot for this structure now (``Stager.reserve``), so that no

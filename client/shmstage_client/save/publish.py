@@ -83,13 +83,20 @@ class Published:
     landing: Landing | None = None
     #: For a sharded version's part: whether this part completed the version (False: it
     #: waits in the daemon for other ranks' parts of the step, and ``subscribers`` is 0).
-    complete: bool = True
+    #: None for a part whose copy was still in flight at return: ``visible()`` returns it.
+    complete: bool | None = True
+    #: Filled by a non-blocking publish's hand-over: whether its part completed the version.
+    _handed: list[bool] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
-    def visible(self, timeout: float | None = None) -> None:
-        """Until the version is visible (at once for a blocking publish); raises the error
-        that kept it from becoming visible, or SaveTimeout."""
-        if self.landing is not None:
-            self.landing.wait(timeout)
+    def visible(self, timeout: float | None = None) -> bool:
+        """Until the part is handed over (at once for a blocking publish), then whether it
+        completed the version — True for a one-part version, which is then visible; a part
+        that did not waits in the daemon for the other ranks' parts. Raises the error that
+        kept it from the daemon, or SaveTimeout."""
+        if self.landing is None:
+            return bool(self.complete)
+        self.landing.wait(timeout)
+        return self._handed[0]
 
 
 def share_gids(share: Iterable[int | str]) -> list[int]:
@@ -180,16 +187,22 @@ def publish_flat(
 
         if deferred is not None:  # the version becomes visible once the copy has landed
 
+            handed: list[bool] = []
+
             def hand_over(landing: Landing, error: BaseException | None) -> None:
                 if error is not None:
                     staged.cancel()
                     raise error
                 make_visible()
+                handed.append(visible)
                 stager._layouts.add_slots_soon(stager.request_timeout)
 
             what = f"version {step} of channel {name!r}"
             landing = stager._start_landing(deferred, what, hand_over)
-            return Published(name, step, None, clock.timings(), landing)
+            return Published(
+                name, step, None, clock.timings(), landing,
+                complete=None if part is not None else True, _handed=handed,
+            )  # fmt: skip
         subscribers = make_visible()
         clock.lap("commit")
     stager._layouts.add_slots_soon(stager.request_timeout)

@@ -94,6 +94,8 @@ def rank_main(rank: int, work: Path, socket: str, node_socket: str) -> None:
     # one slot per step in flight: a part the daemon does not give back is felt at once
     publisher = ShmStagePublisher(CHANNEL, socket=socket, slots=2, wait_for_slot=False)
     assert publisher.reserve(state(model, 0)).changed
+    # a guarded optimizer's shards may be copied after a non-blocking publish returns
+    publisher.guard(torch.optim.SGD(model.parameters(), lr=0.1))
 
     def fill(step: int) -> None:
         """New weights on every rank's shard; the full state and each rank's shards saved
@@ -114,7 +116,12 @@ def rank_main(rank: int, work: Path, socket: str, node_socket: str) -> None:
 
     for step in (1, 2):
         fill(step)
-        publisher.publish(state(model, step), step=step, metadata={"loss": step / 10})
+        published = publisher.publish(
+            state(model, step), step=step, metadata={"loss": step / 10}, block=step == 1
+        )
+        if step == 2:  # non-blocking: handed over once copied; visible() says if it completed
+            at_return = published.complete
+            (work / f"r{rank}-2").write_text(f"{at_return} {published.visible(TIMEOUT)}")
         dist.barrier()
         if step == 1:  # kept open: a publish-only layout's versions go with it
             per_node = ShmStagePublisher(PER_NODE, socket=node_socket)
@@ -200,6 +207,9 @@ def test_two_fsdp2_ranks_publish_one_version_per_step_seen_whole_only_once_every
                     with pytest.raises(IncompleteTensor, match=f"'model.a.weight'.*{missing}"):
                         version.state()
             assert (tmp_path / "r0-3").read_text() == "False", "rank 0's part alone is not it"
+            # step 2 went out with block=False: at return neither rank knew; one completed it
+            step_2 = sorted((tmp_path / f"r{rank}-2").read_text() for rank in (0, 1))
+            assert step_2 == ["None False", "None True"], step_2
             with subscriber.wait(timeout=TIMEOUT) as version:
                 assert version.step == 2 and version.metadata == {"loss": 0.2}
             with pytest.raises(NoNewVersion):
