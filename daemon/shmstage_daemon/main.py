@@ -55,6 +55,7 @@ _OVERRIDES: Final = {
     "max_journal_bytes": "max_journal_bytes",
     "max_buffered_bytes": "max_buffered_bytes",
     "default_slots": "default_slots",
+    "size_check_interval": "size_check_interval",
     "metrics_port": "metrics_port",
     "metrics_socket": "metrics_socket",
     "journal_dir": "journal_dir",
@@ -211,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="staging slots per layout when the client does not say (default 2)",
     )
     parser.add_argument(
+        "--size-check-interval",
+        type=_number,
+        default=None,
+        metavar="SECONDS",
+        help="how often segments a client resized through its descriptor are put back to "
+        "their size: until then, what it grew them by is memory no limit counts (default 10; "
+        "at least 0.5)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=_number,
         default=None,
@@ -314,6 +324,7 @@ def settings_of(config: Config) -> Settings:
         fsync=config.fsync == "always",
         shutdown_timeout=config.shutdown_timeout,
         default_slots=config.default_slots,
+        size_check_interval=config.size_check_interval,
         operator_gids=config.operator_groups,
         journal_root=config.journal_dir,
         allow_disk_journal=config.allow_disk_journal,
@@ -355,6 +366,7 @@ def describe(config: Config) -> str:
         f"{config.max_prepared}, max_journal_bytes {format_size(int(config.max_journal_bytes))}, "
         f"max_buffered_bytes {format_size(int(config.max_buffered_bytes))}",
         f"  default_slots    {config.default_slots}",
+        f"  size checks      every {config.size_check_interval:g} s",
         f"  retention        ttl {config.retain_ttl:g} s, budget {config.retain_budget} = "
         f"{format_size(config.retain_budget_bytes)} (per user {config.retain_user_budget} = "
         f"{format_size(config.retain_user_budget_bytes)}), min_free {config.retain_min_free} = "

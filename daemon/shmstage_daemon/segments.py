@@ -3,8 +3,8 @@
 Segments are made in an I/O thread, all of a registration's or none (``create``); they are
 given back in one thread of their own (``unlink_later``), which also puts back to its size
 a segment a client resized through its descriptor (``keep_sizes``, every
-``SIZE_CHECK_INTERVAL_S``): one thread, since a size put back while the segment was being
-given back would reserve its memory again.
+``size_check_interval`` seconds of the settings): one thread, since a size put back while
+the segment was being given back would reserve its memory again.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from shmstage_daemon.store import StagedLayout, Store, StoreError
 
 log = logging.getLogger("shmstaged")
 
-#: How often staged segments are checked for a size a client changed (``segment.fix_size``).
-SIZE_CHECK_INTERVAL_S = 10.0
 #: Threads that make the slots a client adds behind its first save (``add_slots``): they
 #: write zeros over the new memory while the trainer computes, so as few as the client's
 #: own background setup (on an H100 host, 8 threads of page work slowed a training step
@@ -48,8 +46,11 @@ class Segments:
         instance: Callable[[], str],
         stopping: Callable[[], bool],
         track: Callable[[asyncio.Future[Any]], None],
+        interval: Callable[[], float],
     ) -> None:
         self._store = store
+        #: Seconds between size checks, read at each (a reload may change it).
+        self._interval = interval
         #: The instance whose names new segments bear (known once it is claimed).
         self._instance = instance
         self._stopping = stopping
@@ -120,12 +121,12 @@ class Segments:
             self._track(asyncio.get_running_loop().run_in_executor(self._io, heap.trim))
 
     async def keep_sizes(self) -> None:
-        """Every SIZE_CHECK_INTERVAL_S, segments a descriptor's holder resized go back to
+        """Every ``size_check_interval`` seconds, segments a descriptor's holder resized go back to
         their size: grown ones would hold memory nobody is charged for, shrunk ones make
         readers mapping them fault. A stat per segment, off the loop (~11 us each on a
         loaded 2-core host: 0.2 s for 20,000 segments)."""
         while True:
-            await asyncio.sleep(SIZE_CHECK_INTERVAL_S)
+            await asyncio.sleep(self._interval())
             # In a call of its own: what one round saw (every layout's segments) must not
             # stay alive through the next sleep, holding a layout released meanwhile.
             await self._keep_sizes_once()

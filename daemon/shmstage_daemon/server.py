@@ -76,7 +76,11 @@ class Daemon:
         #: sockets that still hold some (``inflight``).
         self.inflight = inflight.InFlight()
         self.segments = Segments(
-            self.store, lambda: self.instance, lambda: self.stopping, self.track
+            self.store,
+            lambda: self.instance,
+            lambda: self.stopping,
+            self.track,
+            lambda: self.settings.size_check_interval,
         )
         self.retention = retention.Retention(
             self.store,

@@ -30,6 +30,10 @@ class Settings:
     shutdown_timeout: float = 60.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     default_slots: int = 2
+    #: Seconds between checks that put back to its size a segment a client resized through
+    #: its descriptor (``Segments.keep_sizes``): the longest the memory it grew one by goes
+    #: uncharged, or a reader of one it shrank is refused.
+    size_check_interval: float = 10.0
     config_source: Path | None = None
     #: Groups whose members see every user's clients and jobs in ``shmstage status``.
     operator_gids: frozenset[int] = frozenset()
@@ -48,6 +52,7 @@ class Settings:
         "fsync",
         "shutdown_timeout",
         "default_slots",
+        "size_check_interval",
         "operator_gids",
         "retention",
         "publish_gids",

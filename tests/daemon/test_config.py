@@ -128,6 +128,7 @@ def test_without_a_file_the_defaults_apply() -> None:
     assert config.direct_io is True
     assert config.fsync == "always"
     assert config.default_slots == 2
+    assert config.size_check_interval == 10.0
     assert config.shutdown_timeout == 60.0
     assert config.metrics_port is None
     assert config.max_bytes is None
@@ -160,6 +161,7 @@ def test_a_complete_file_is_read_into_typed_values(tmp_path: Path) -> None:
             max_layouts = 3
             max_jobs = 2
             default_slots = 3
+            size_check_interval = 0.5
 
             [storage]
             writer_threads = 16
@@ -181,6 +183,7 @@ def test_a_complete_file_is_read_into_typed_values(tmp_path: Path) -> None:
     assert config.max_bytes == 512 << 10
     assert (config.max_segments, config.max_layouts, config.max_jobs) == (100, 3, 2)
     assert config.default_slots == 3
+    assert config.size_check_interval == 0.5  # the least allowed
     assert config.writer_threads == 16
     assert config.fsync == "never"
     assert (config.log_level, config.log_format) == ("debug", "json")
@@ -192,7 +195,8 @@ def test_unknown_key_is_named_with_its_table_and_the_allowed_keys(tmp_path: Path
     assert message == (
         f"{tmp_path / 'shmstaged.toml'}: unknown key [limits] max_job (allowed: shm_budget, "
         "max_bytes, max_segments, max_layouts, max_jobs, max_connections, max_prepared, "
-        "max_journal_bytes, max_buffered_bytes, default_slots); did you mean max_jobs?"
+        "max_journal_bytes, max_buffered_bytes, default_slots, size_check_interval); did you "
+        "mean max_jobs?"
     )
 
 
@@ -241,6 +245,14 @@ def test_unknown_table_and_top_level_keys_are_rejected(tmp_path: Path) -> None:
         ('[limits]\nmax_bytes = "lots"\n', '[limits] max_bytes = "lots": expected bytes'),
         ('[limits]\nshm_budget = "150%"\n', 'shm_budget = "150%": a percentage must be above 0%'),
         ("[limits]\nshm_budget = 0\n", "[limits] shm_budget = 0: expected bytes"),
+        (
+            "[limits]\nsize_check_interval = 0.1\n",
+            "[limits] size_check_interval = 0.1: expected a number of seconds from 0.5 to 3600",
+        ),
+        (
+            '[limits]\nsize_check_interval = "often"\n',
+            '[limits] size_check_interval = "often": expected a number of seconds from 0.5',
+        ),
         ("server = 3\n", "server = 3: expected a table [server]"),
         # limits past 64-bit integers made every client's hello an "internal daemon error"
         (
@@ -372,6 +384,7 @@ def test_command_line_overrides_are_validated_like_the_file(tmp_path: Path) -> N
         ("--shutdown-timeout", "soon", "shutdown_timeout"),
         ("--log-level", "loud", "log_level"),
         ("--metrics-port", "99999", "metrics_port"),
+        ("--size-check-interval", "0", "size_check_interval"),
     ],
 )
 def test_a_bad_flag_value_exits_78_naming_the_setting(flag: str, value: str, named: str) -> None:
@@ -471,7 +484,7 @@ def test_example_file_documents_every_key_with_the_default_values(tmp_path: Path
                    "restore_groups", "publish_groups"],
         "limits": ["shm_budget", "max_bytes", "max_segments", "max_layouts", "max_jobs",
                    "max_connections", "max_prepared", "max_journal_bytes", "max_buffered_bytes",
-                   "default_slots"],
+                   "default_slots", "size_check_interval"],
         "storage": ["writer_threads", "io_threads", "write_chunk", "write_buffers", "direct_io",
                     "fsync"],
         "retention": ["ttl", "budget", "user_budget", "min_free", "lease_seconds",
