@@ -18,7 +18,7 @@ still copied exactly — in its batch's slower path (see ``Gatherer``).
 
 On by default with a 64 MiB bound (one packed segment; ``SHMSTAGE_GATHER_BYTES`` or
 ``Stager(gather_bytes=)`` change it, 0 turns it off). Its first GPU run found the batched
-kernel rewriting NaN payloads of 16-bit floats (``_AS_BITS``); since then 100,000 tensors of
+kernel rewriting NaN payloads of 16-bit floats (``as_bits``); since then 100,000 tensors of
 nine dtypes, strided ones among them, have landed bit-exact on an H100 through two saves
 (``tests/client/test_gpu.py``, ``scripts/experiments/gather_check.py``).
 
@@ -71,20 +71,21 @@ MAX_PLANS: Final = 8
 #: Dtypes never gathered: a lazily conjugated complex source must be resolved by ``copy_``,
 #: which the batched kernel would not do.
 _NEVER_GATHERED: Final = frozenset({torch.complex64, torch.complex128, torch.complex32})
-#: Dtypes gathered as the integers of their size. ``_foreach_copy_``'s batched CUDA kernel
-#: moves 16-bit and 8-bit floats through float32 (its ``opmath``), which rewrites NaN
-#: payloads: on an H100, 9,707 of 11,111 bf16 tensors of random bytes came out with a few
-#: bytes changed (``scripts/experiments/gather_check.py``). A checkpoint keeps every bit,
-#: so those are copied as int16 / uint8, which the kernel moves unchanged; float32 and
-#: float64 came out exact and are copied as themselves.
-_AS_BITS: Final = {
-    dtype: {1: torch.uint8, 2: torch.int16}[dtype.itemsize]
-    for dtype in (
-        torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    )
-}  # fmt: skip
-_BIT_DTYPES: Final = frozenset(_AS_BITS.values())
+#: The integers floats narrower than 32 bits are gathered as. ``_foreach_copy_``'s batched
+#: CUDA kernel moves 16-bit and 8-bit floats through float32 (its ``opmath``), which
+#: rewrites NaN payloads: on an H100, 9,707 of 11,111 bf16 tensors of random bytes came out
+#: with a few bytes changed (``scripts/experiments/gather_check.py``). A checkpoint keeps
+#: every bit, so those are copied as int16 / uint8, which the kernel moves unchanged;
+#: float32 and float64 came out exact and are copied as themselves.
+_BITS_OF_SIZE: Final = {1: torch.uint8, 2: torch.int16}
+_BIT_DTYPES: Final = frozenset(_BITS_OF_SIZE.values())
+
+
+def as_bits(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gathered tensor of ``dtype`` is copied as (see ``_BITS_OF_SIZE``)."""
+    if dtype.is_floating_point and dtype.itemsize in _BITS_OF_SIZE:
+        return _BITS_OF_SIZE[dtype.itemsize]
+    return dtype
 
 
 def gather_bytes_from_env(environ: Mapping[str, str] | None = None) -> int:
@@ -276,7 +277,7 @@ class _Group:
 
     views: list[torch.Tensor]
     sources: Picker
-    #: The integer dtype the sources are read as (``_AS_BITS``), or None: as they are.
+    #: The integer dtype the sources are read as (``as_bits``), or None: as they are.
     bits: torch.dtype | None = None
 
     def read(self, sources: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -502,7 +503,7 @@ def _groups(
     """Per batch, one copy per dtype and contiguity: ``_foreach_copy_`` batches a list only
     when every source has one dtype and its view's strides, else it copies tensor by
     tensor, so one strided source must not cost a whole batch its kernels. Floats that
-    the kernel would convert are grouped as their bits (``_AS_BITS``). (Views are
+    the kernel would convert are grouped as their bits (``as_bits``). (Views are
     made a group at a time through ``map``: at 100,000 tensors, this is the plan's cost.)"""
     typed: dict[torch.dtype, torch.Tensor] = {}
     result = []
@@ -516,7 +517,7 @@ def _groups(
         lists: dict[tuple[torch.dtype, bool], tuple[list[int], list[torch.Tensor], list[int]]]
         lists = {}
         for member, dst, place, flat in zip(members, dsts, places, contiguous, strict=True):
-            dtype = _AS_BITS.get(dst.dtype, dst.dtype)
+            dtype = as_bits(dst.dtype)
             positions, views, starts = lists.setdefault((dtype, flat), ([], [], []))
             positions.append(member)
             views.append(dst)
