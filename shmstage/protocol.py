@@ -262,6 +262,11 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # The checksums of a version this connection pins, waiting up to ``seconds`` (0, the
     # default: only those known now) while the daemon computes them; "checksummed" answers.
     "checksums": {"pin": _INT, "seconds": _NUM, "part": _INT},
+    # Every slot of the followed channel's current ring, pinning nothing, so that a
+    # reader maps and registers them before its first version: answered by "ring_slots"
+    # and each slot's read-only segments in "slot_fds" frames (slots this connection was
+    # sent already are not sent again).
+    "ring": {"channel": _INT, "max_fds": _INT},
 }
 _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``default_slots``: the slots a registration without ``slots`` gets.
@@ -353,6 +358,20 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # ``checksums``: null when there are none (yet: within the time asked for).
     "checksummed": {"pin": _INT, "checksums": (list, type(None))},
     "ring_fds": {"pin": _INT, "first": _INT, "part": _INT},
+    # Answers "ring": ``ring`` null when the channel has no ring now (no version yet, or
+    # its publisher went: ask again after the next "version"); otherwise its id (the
+    # "ring" of later "pinned" frames), ``sizes``, ``tensors`` (only when this connection
+    # was sent none of its slots), ``slots``: the keys of the slots whose ``segments``
+    # descriptors each follow, slot by slot, in "slot_fds" frames. The bytes are not
+    # pinned: only a pinned version's are that version's.
+    "ring_slots": {
+        "ring": _INT + _NONE,
+        "sizes": _LIST,
+        "tensors": _LIST,
+        "slots": _LIST,
+        "segments": _INT,
+    },
+    "slot_fds": {"ring": _INT, "slot": _INT, "first": _INT},
     # ``held``: the pin was in force until now (false: it had expired).
     "unpinned": {"pin": _INT, "held": _BOOL},
 }
@@ -398,6 +417,8 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "checksums": frozenset({"seconds", "part"}),
     "pinned": frozenset({"tensors", "tree", "checksums", "parts"}),
     "ring_fds": frozenset({"part"}),
+    "ring": frozenset({"max_fds"}),
+    "ring_slots": frozenset({"sizes", "tensors", "slots", "segments"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}
 

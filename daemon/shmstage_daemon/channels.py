@@ -167,6 +167,9 @@ class Channel:
     #: The connection that last published each part number: the one expected to publish
     #: that part of the next step too.
     part_sessions: dict[int, int] = field(default_factory=dict)
+    #: The layout of the newest version of one part: the ring readers map ahead of a
+    #: version (``ring_of``); None before the first and for a sharded channel.
+    ring: StagedLayout | None = None
 
 
 @dataclass(eq=False)
@@ -385,6 +388,7 @@ class Channels:
         channel.versions = [v for v in channel.versions if self.current(v)] + [version]
         channel.last_step = version.step
         channel.shared = share
+        channel.ring = None if version.parts else version.staged
         for step in [step for step in channel.assembling if step < version.step]:
             self._abandon(channel, step)
         told = [s for s in channel.subscribers.values() if self.may_read(s.peer, channel)]
@@ -556,18 +560,7 @@ class Channels:
     ) -> Pin:
         """Pin the channel's newest version, if newer than ``newer_than``: its slot is not
         refilled until ``unpin``, the pin's time, or the connection's end."""
-        channel = self.by_id.get(channel_id)
-        if channel is None or session not in channel.subscribers:
-            raise StoreError(
-                ErrorCode.BAD_REQUEST,
-                f"this connection does not follow channel {channel_id}; subscribe first",
-            )
-        if not self.may_read(peer, channel):  # a reload may have taken the sharing away
-            raise StoreError(
-                ErrorCode.NOT_ALLOWED,
-                f"channel {channel.name!r} of uid {channel.uid} is not shared with uid "
-                f"{peer.uid} any more",
-            )
+        channel = self._followed(session, peer, channel_id)
         version = self.newest(channel)
         if version is None or (newer_than is not None and version.step <= newer_than):
             raise StoreError(
@@ -608,6 +601,42 @@ class Channels:
             part.slot.pins.add(pin.id)
         pin.timer = self._schedule(seconds, lambda: self._expire(pin.id))
         return pin
+
+    def _followed(self, session: int, peer: Peer, channel_id: int) -> Channel:
+        """The channel ``session`` follows, if ``peer`` may still read it: what a pin and a
+        ring's descriptors are both checked against."""
+        channel = self.by_id.get(channel_id)
+        if channel is None or session not in channel.subscribers:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"this connection does not follow channel {channel_id}; subscribe first",
+            )
+        if not self.may_read(peer, channel):  # a reload may have taken the sharing away
+            raise StoreError(
+                ErrorCode.NOT_ALLOWED,
+                f"channel {channel.name!r} of uid {channel.uid} is not shared with uid "
+                f"{peer.uid} any more",
+            )
+        return channel
+
+    def ring_of(self, session: int, peer: Peer, channel_id: int) -> StagedLayout | None:
+        """The ring of the channel ``session`` follows — the layout its newest version came
+        from, while the daemon holds it — for a reader to map before it pins a version
+        (nothing is pinned: the bytes it reads there mean nothing until a pin says which
+        version they are). None when there is none now: no version yet, or its publisher
+        released it (the next version names the next one)."""
+        channel = self._followed(session, peer, channel_id)
+        newest = self.newest(channel)
+        if newest is not None and newest.parts:
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"channel {channel.name!r} is published by a sharded publisher (one ring "
+                "per rank); its rings are mapped by the first wait(), not ahead of it",
+            )
+        staged = channel.ring
+        if staged is None or staged.released or self._store.layouts.get(staged.id) is not staged:
+            return None
+        return staged
 
     def _expire(self, pin_id: int) -> None:
         pin = self.pins.get(pin_id)

@@ -1,5 +1,5 @@
 """Publishing and subscribing: the conversation of ``channels`` (publish, subscribe, pin,
-unpin).
+unpin, ring).
 
 A publisher's "publish" turns the slot it filled (or the slot of a save it just committed)
 into its channel's newest version; every subscriber's connection is told at once by a
@@ -85,6 +85,7 @@ class Publishing:
             "pin": self.pin,
             "unpin": self.unpin,
             "checksums": self.checksums,
+            "ring": self.ring,
         }
 
     def close(self) -> None:
@@ -349,6 +350,40 @@ class Publishing:
             if part.packed_tree != self._trees.get(part.part):
                 entry["tree"] = part.tree
         return entry
+
+    async def ring(self, frame: Frame) -> None:
+        """Every slot of the followed channel's ring, read-only, pinning nothing: a reader
+        maps and registers them before its first version (``Subscriber.prepare``), and its
+        pins then send none of them again. Checked as a pin is (``Channels.ring_of``); the
+        descriptors are charged as a pin's are (``Session.send_segments``)."""
+        batch = requests.fds_per_message(frame)
+        session = self._session
+        staged = self._channels.ring_of(session.id, session.peer, frame.body["channel"])
+        if staged is None:
+            await session.send("ring_slots", frame.id, {"ring": None})
+            return
+        sent = self._sent.get(staged.id, set())
+        self._sent = {staged.id: sent}  # as a pin of a version of this ring would
+        slots = [slot for slot in staged.slots if slot.serial not in sent]
+        sizes = list(staged.layout.packing().sizes)
+        body: dict[str, Any] = {
+            "ring": staged.id,
+            "sizes": sizes,
+            "slots": [slot.serial for slot in slots],
+            "segments": len(sizes),
+        }
+        if not sent:
+            body["tensors"] = staged.layout.to_wire()
+        await session.send("ring_slots", frame.id, body)
+        try:
+            for slot in slots:
+                fields = {"ring": staged.id, "slot": slot.serial}
+                await session.send_segments(
+                    frame.id, "slot_fds", fields, slot.segments, batch, writable=False
+                )
+                sent.add(slot.serial)
+        except segment.SegmentError as exc:  # a slot's segment went: the reader asks again
+            raise RequestError(ErrorCode.NOT_RETAINED, str(exc)) from None
 
     async def unpin(self, frame: Frame) -> None:
         held = self._channels.unpin(self._session.id, frame.body["pin"])

@@ -19,6 +19,10 @@ it; four and eight were slower), but twice as fast on pages already in the page 
 (``pinning.prefault_read``, ~0.005 s/GiB). Every later version copies the same pieces,
 all registered already: a copy whose host memory spans two registrations fails, so no
 copy ever does.
+
+A subscriber that prepares (``Subscriber.prepare``) maps every slot of the ring before its
+first version and registers them all in the background (``prepare``), one after another
+on one pair of threads: its first version is then copied as every later one is.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Final
 
 import torch
@@ -91,6 +96,11 @@ class Ring:
         self._users = 0
         self._retired = False
         self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> int:
+        """How many of the ring's slots are mapped here."""
+        return len(self._regions)
 
     def has(self, slot: int) -> bool:
         return slot in self._regions
@@ -173,19 +183,53 @@ class Ring:
             self._registrations[slot] = registration
             return registration
 
-    def _start(self, region: segment.Region, device: torch.device) -> _Registration:
-        """Read the pieces in on one thread and register them, in order, on another."""
-        pieces = pinning.page_pieces(region.size, PIECE_BYTES)
+    def prepare(self, device: torch.device) -> None:
+        """Register every slot mapped now for ``device``, in the background, one slot after
+        another (the driver serialises registrations: slots side by side would each finish
+        last), so that the first version in any of them is copied at pinned speed."""
         reader = ThreadPoolExecutor(1, thread_name_prefix="shmstage-pin-read")
         registrar = ThreadPoolExecutor(1, thread_name_prefix="shmstage-pin")
+        try:
+            with self._lock:
+                for slot, region in self._regions.items():
+                    if slot not in self._registrations and not self._unpinnable:
+                        started = self._start(region, device, reader, registrar)
+                        self._registrations[slot] = started
+        finally:
+            reader.shutdown(wait=False)  # their threads end once the pieces are done
+            registrar.shutdown(wait=False)
+
+    def registered(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every registration started; whether all
+        ended (a piece CUDA refused ended too: it is copied at pageable speed)."""
+        with self._lock:
+            done = [future for r in self._registrations.values() for future in r.done]
+        _finished, pending = wait_futures(done, timeout=timeout)
+        return not pending
+
+    def _start(
+        self,
+        region: segment.Region,
+        device: torch.device,
+        reader: ThreadPoolExecutor | None = None,
+        registrar: ThreadPoolExecutor | None = None,
+    ) -> _Registration:
+        """Read the pieces in on one thread and register them, in order, on another (the
+        given ones, shared by the slots ``prepare`` registers; otherwise this slot's)."""
+        pieces = pinning.page_pieces(region.size, PIECE_BYTES)
+        own = reader is None or registrar is None
+        if reader is None or registrar is None:
+            reader = ThreadPoolExecutor(1, thread_name_prefix="shmstage-pin-read")
+            registrar = ThreadPoolExecutor(1, thread_name_prefix="shmstage-pin")
         registration = _Registration(pieces, [])
         for first, last in pieces:
             read = reader.submit(pinning.prefault_read, region.address + first, last - first)
             task = self._register_piece
             done = registrar.submit(task, registration, region, first, last, device, read)
             registration.done.append(done)
-        reader.shutdown(wait=False)  # their threads end once the pieces are done
-        registrar.shutdown(wait=False)
+        if own:
+            reader.shutdown(wait=False)  # their threads end once the pieces are done
+            registrar.shutdown(wait=False)
         return registration
 
     def _register_piece(
