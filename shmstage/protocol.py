@@ -262,6 +262,11 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # The checksums of a version this connection pins, waiting up to ``seconds`` (0, the
     # default: only those known now) while the daemon computes them; "checksummed" answers.
     "checksums": {"pin": _INT, "seconds": _NUM, "part": _INT},
+    # The caller's ``layout`` is the ring of its channel ``name`` from now, before its
+    # first version there (its next versions come from it): readers may map it ahead
+    # ("ring"); ``share`` as for "publish". Answered by "offered"; followers are told by a
+    # "ring_ready" frame on their subscription.
+    "offer": {"layout": _INT, "name": _STR, "share": _LIST},
     # Every slot of the followed channel's current ring, pinning nothing, so that a
     # reader maps and registers them before its first version: answered by "ring_slots"
     # and each slot's read-only segments in "slot_fds" frames (slots this connection was
@@ -372,6 +377,11 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "segments": _INT,
     },
     "slot_fds": {"ring": _INT, "slot": _INT, "first": _INT},
+    # ``subscribers``: the followers told (by "ring_ready").
+    "offered": {"name": _STR, "subscribers": _INT},
+    # Sent unasked, like "version", on a subscription: the channel has a new ring to map
+    # ahead of its next version ("ring").
+    "ring_ready": {"channel": _INT, "ring": _INT},
     # ``held``: the pin was in force until now (false: it had expired).
     "unpinned": {"pin": _INT, "held": _BOOL},
 }
@@ -418,6 +428,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "pinned": frozenset({"tensors", "tree", "checksums", "parts"}),
     "ring_fds": frozenset({"part"}),
     "ring": frozenset({"max_fds"}),
+    "offer": frozenset({"share"}),
     "ring_slots": frozenset({"sizes", "tensors", "slots", "segments"}),
 }
 _HANDSHAKE = {Role.CLIENT: "hello", Role.DAEMON: "welcome"}

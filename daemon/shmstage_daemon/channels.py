@@ -43,6 +43,10 @@ uid's ``name``. The rules:
   handed back: nothing of it is ever visible. Readers pin a sharded version as one (every
   part's slot pinned together). The step rules are a version's: a part of a step not newer
   than the newest visible one is refused.
+- *Rings ahead.* A reader may map every slot of the followed channel's ring before it pins
+  a version (``ring_of``: the layout of its newest version, or the layout its publisher
+  offered ahead of the first, ``offer``), so that its first version costs the copy
+  alone. Nothing is pinned: only a pin says which version the bytes are.
 - *Access.* A channel is its owner's; the owner may share it with groups that the
   daemon's ``[server] publish_groups`` allows (``share``); members of those groups may
   subscribe and pin. Anyone else is told there is no such channel shared with them,
@@ -148,6 +152,8 @@ class Subscription:
     session: int
     peer: Peer
     notify: Callable[[int], None]
+    #: Told the id of a ring offered ahead of the channel's next version (``offer``).
+    offered: Callable[[int], None] = lambda ring: None
 
 
 @dataclass(eq=False)
@@ -337,6 +343,32 @@ class Channels:
             self._store.release_slot(each.session, each.staged, each.slot)
         return head, self._visible(channel, head, assembly.share)
 
+    def offer(
+        self, uid: int, name: str, staged: StagedLayout, share: Collection[int] = ()
+    ) -> tuple[Channel, list[Subscription]]:
+        """``staged`` (the caller's) is the ring of ``uid``'s channel ``name`` from now,
+        ahead of its first version there: readers map it before a version (``ring_of``),
+        and ``share`` lets other users' readers follow the channel already. Returns the
+        channel and the subscriptions to tell. A layout is offered for one channel at a
+        time: offering it for another forgets the offer of a channel never published."""
+        channel = self._publishable(uid, name, None, share)
+        for other in [c for c in self.channels.values() if c.uid == uid and c is not channel]:
+            if other.ring is staged and other.last_step is None:
+                other.ring = None
+                self._prune(other)
+        channel.ring = staged
+        channel.shared = frozenset(share)
+        told = [s for s in channel.subscribers.values() if self.may_read(s.peer, channel)]
+        return channel, told
+
+    def _ring_held(self, channel: Channel) -> bool:
+        staged = channel.ring
+        return (
+            staged is not None
+            and not staged.released
+            and self._store.layouts.get(staged.id) is staged
+        )
+
     def _version(
         self,
         channel: Channel,
@@ -355,9 +387,11 @@ class Channels:
             self._store.next_id(), step, channel.id, staged, slot, tree, metadata, packed, **rest
         )
 
-    def _publishable(self, uid: int, name: str, step: int, share: Collection[int]) -> Channel:
-        """The channel a version (or part) of ``step`` may be published to, opened if new;
-        raises what refuses it."""
+    def _publishable(
+        self, uid: int, name: str, step: int | None, share: Collection[int]
+    ) -> Channel:
+        """The channel a version (or part) of ``step`` may be published to (a ring offered
+        to: None), opened if new; raises what refuses it."""
         check_name(name)
         allowed = self._publish_groups()
         refused = sorted(set(share) - allowed)
@@ -369,6 +403,8 @@ class Channels:
                 "with a listed group",
             )
         channel = self.channels.get((uid, name))
+        if step is None:
+            return channel if channel is not None else self._open(uid, name)
         if channel is not None and channel.last_step is not None and step <= channel.last_step:
             raise StoreError(
                 ErrorCode.BAD_REQUEST,
@@ -508,6 +544,8 @@ class Channels:
         """Forget a channel with nothing alive and nobody following it."""
         if channel.subscribers or channel.assembling or self.newest(channel) is not None:
             return
+        if channel.last_step is None and self._ring_held(channel):
+            return  # offered ahead of its first version
         if any(pin.version.channel == channel.id for pin in self.pins.values()):
             return  # its step must keep growing while a reader holds one of its versions
         self.channels.pop((channel.uid, channel.name), None)
@@ -521,7 +559,13 @@ class Channels:
         return bool((peer.groups | {peer.gid}) & channel.shared & self._publish_groups())
 
     def subscribe(
-        self, session: int, peer: Peer, owner: int, name: str, notify: Callable[[int], None]
+        self,
+        session: int,
+        peer: Peer,
+        owner: int,
+        name: str,
+        notify: Callable[[int], None],
+        offered: Callable[[int], None] = lambda ring: None,
     ) -> tuple[Channel, Version | None]:
         """Follow ``owner``'s channel ``name``; returns it and its newest version now.
 
@@ -546,7 +590,7 @@ class Channels:
             )
         if channel is None:
             channel = self._open(owner, name)
-        channel.subscribers[session] = Subscription(session, peer, notify)
+        channel.subscribers[session] = Subscription(session, peer, notify, offered)
         return channel, self.newest(channel)
 
     def pin(
@@ -633,10 +677,7 @@ class Channels:
                 f"channel {channel.name!r} is published by a sharded publisher (one ring "
                 "per rank); its rings are mapped by the first wait(), not ahead of it",
             )
-        staged = channel.ring
-        if staged is None or staged.released or self._store.layouts.get(staged.id) is not staged:
-            return None
-        return staged
+        return channel.ring if self._ring_held(channel) else None
 
     def _expire(self, pin_id: int) -> None:
         pin = self.pins.get(pin_id)

@@ -1,5 +1,5 @@
 """Publishing and subscribing: the conversation of ``channels`` (publish, subscribe, pin,
-unpin, ring).
+unpin, ring, offer).
 
 A publisher's "publish" turns the slot it filled (or the slot of a save it just committed)
 into its channel's newest version; every subscriber's connection is told at once by a
@@ -11,6 +11,11 @@ visible (after the publisher's answer) it is checksummed off the loop (``version
 a pin's answer carries the checksums once they are there, and "checksums" asks for them
 later, waiting a bounded time. What may be published, pinned and by whom is
 ``channels``'s; this is the conversation.
+
+A reader may ask for every slot of its channel's ring ahead of any version ("ring": the
+same read-only descriptors a pin sends, pinning nothing, none sent twice on a
+connection); a publisher may name its layout as its channel's ring before its first
+version ("offer"), and its followers are told ("ring_ready").
 
 A sharded publisher's ranks each publish a *part* (``parts``, ``part``, ``shapes``: each
 shard's global shape by flat key, ``within``): the answer says whether that part made
@@ -86,6 +91,7 @@ class Publishing:
             "unpin": self.unpin,
             "checksums": self.checksums,
             "ring": self.ring,
+            "offer": self.offer,
         }
 
     def close(self) -> None:
@@ -246,12 +252,38 @@ class Publishing:
         peer = self._session.peer
         owner = frame.body.get("owner", peer.uid)
         channel, newest = self._channels.subscribe(
-            self._session.id, peer, owner, frame.body["name"], self._announce
+            self._session.id, peer, owner, frame.body["name"], self._announce, self._offered
         )
         self._request, self._channel = frame.id, channel.id
         step = None if newest is None else newest.step
         self._told = step
         await self._session.send("subscribed", frame.id, {"channel": channel.id, "newest": step})
+
+    async def offer(self, frame: Frame) -> None:
+        """The caller's layout is its channel's ring ahead of the first version there
+        (``Channels.offer``); followers are told, and may map it ("ring")."""
+        body, session = frame.body, self._session
+        staged = self._store.get(session.id, body["layout"])
+        share = body.get("share", [])
+        if not all(isinstance(gid, int) and not isinstance(gid, bool) for gid in share):
+            raise RequestError(ErrorCode.BAD_REQUEST, "offer.share must be a list of gids")
+        channel, told = self._channels.offer(session.peer.uid, body["name"], staged, share)
+        for subscription in told:
+            subscription.offered(staged.id)
+        await session.send(
+            "offered", frame.id, {"name": channel.name, "subscribers": len(told)}
+        )
+
+    def _offered(self, ring: int) -> None:
+        """Tell this subscriber that a ring was offered (on its subscription, in order
+        with the versions' frames)."""
+
+        async def tell() -> None:
+            await self._session.send(
+                "ring_ready", self._request, {"channel": self._channel, "ring": ring}
+            )
+
+        self._session.spawn(tell())
 
     def _announce(self, step: int) -> None:
         self._newest = step

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from shmstage_client.collection import collection_paused
 from shmstage_client.connection import DaemonConnection, RequestHandle
+from shmstage_client.errors import SaveError
 from shmstage_client.save.deferred_copy import DeferredCopy
 from shmstage_client.save.destination import Fields
 from shmstage_client.save.handle import Clock, SaveTimings
@@ -207,6 +208,20 @@ def publish_flat(
         clock.lap("commit")
     stager._layouts.add_slots_soon(stager.request_timeout)
     return Published(name, step, subscribers, clock.timings(), complete=visible)
+
+
+def offer(
+    connection: DaemonConnection, layout: int | None, name: str, share: Iterable[int | str],
+    timeout: float,
+) -> int:
+    """``Stager.offer``'s work (see there): the subscribers told."""
+    if layout is None:
+        raise SaveError(
+            f"offer({name!r}) names the layout this Stager will publish from: call "
+            "reserve(state_dict) first"
+        )
+    body = {"layout": layout, "name": name, "share": share_gids(share)}
+    return int(connection.call("offer", body, timeout=timeout).body["subscribers"])
 
 
 def publish_saved(

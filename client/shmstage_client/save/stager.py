@@ -57,6 +57,7 @@ from shmstage_client.save.handle import Clock, ProgressCallback, SaveHandle, Sav
 from shmstage_client.save.handover import FollowUp, Handover, Landing
 from shmstage_client.save.layouts import Layouts
 from shmstage_client.save.publish import Published, check_step, publish_saved
+from shmstage_client.save.publish import offer as _offer
 from shmstage_client.save.publish import publish as _publish
 from shmstage_client.save.slots import CopyEngine
 from shmstage_client.save.staged import Destination, Staged
@@ -318,6 +319,21 @@ class Stager:
         thread publishes it), and ``Published.visible()`` waits for that."""
         return _publish(
             self, state_dict, name, step=step, metadata=metadata, share=share, block=block
+        )
+
+    def offer(self, name: str, *, share: Sequence[int | str] = ()) -> int:
+        """Make the layout ``reserve()`` set up the ring of channel ``name`` now, before
+        its first version: subscribers that ``prepare()`` map and register its slots while
+        the first step trains, and read the first version at the ring's speed. ``share``
+        as in ``publish()`` (other users may follow the channel from now). Returns how many
+        subscribers were told. Publishing another structure makes a new ring as usual."""
+        current = self._layouts.current
+        return _offer(
+            self._connection,
+            None if current is None else current.id,
+            name,
+            share,
+            self.request_timeout,
         )
 
     def reserve(

@@ -60,8 +60,9 @@ def subscribe(
 ) -> Subscriber:
     """Follow channel ``name`` of ``owner`` (a uid or user name; default: this process's
     user). Another user's channel must be shared with one of this user's groups
-    (``publish(..., share=[group])``); otherwise this raises DaemonRefused. One's own
-    channel may be followed before its first version."""
+    (``publish(..., share=[group])``, or ``Stager.offer(name, share=[group])`` ahead of
+    the first version); otherwise this raises DaemonRefused. One's own channel may be
+    followed before its first version."""
     return Subscriber(name, owner=owner, socket=socket)
 
 
@@ -147,15 +148,18 @@ class Subscriber:
         next publish then loses no time to it. A method, not a ``subscribe()`` flag, so
         that its wait has a timeout and its refusals an obvious caller.
 
-        The ring exists once the channel has a version (the publisher's layout names it):
-        before the first, this waits for the first announcement, at most ``timeout``
-        seconds (None: for ever), then raises NoNewVersion; the announcement is kept for
-        ``wait()``. Nothing is pinned: the bytes mapped mean something only through a
-        pinned version. ``block``: also wait (within ``timeout``) until every slot is
-        registered. A version from another ring (the publisher's structure changed) drops
-        what was prepared and is copied as without it. Without CUDA (or for a CPU
-        ``device``) the slots are mapped and nothing is registered. ``close()`` releases
-        it all. Returns the number of slots mapped. Not for a sharded publisher's channel
+        The ring is the layout the publisher offered (``Stager.offer``, after
+        ``reserve``) or published its newest version from: before either, this waits for
+        the publisher's offer or first version, at most ``timeout`` seconds (None: for
+        ever), then raises NoNewVersion; an announced version is kept for ``wait()``.
+        Nothing is pinned: the bytes mapped mean something only through a pinned version.
+        ``block``: also wait (within ``timeout``) until every slot is registered;
+        otherwise a version that comes meanwhile waits for its slot's registration (slots
+        register one after another, ~0.05 s/GiB each). A version from another ring (the
+        publisher's structure changed) drops what was prepared and is copied as without
+        it. Without CUDA (or for a CPU ``device``) the slots are mapped and nothing is
+        registered. ``close()`` releases it all. Returns the number of slots mapped. Not
+        for a sharded publisher's channel
         (DaemonRefused: its rings are mapped by the first ``wait()``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._take_announcements()
@@ -164,7 +168,8 @@ class Subscriber:
             if left is not None and left <= 0:
                 raise NoNewVersion(
                     f"channel {self.name!r} had no version, so no ring to prepare, within "
-                    f"{timeout} s; prepare once the publisher published, or wait()"
+                    f"{timeout} s; its publisher offers one ahead with Stager.offer({self.name!r})"
+                    " after reserve(), or prepare once it published"
                 )
             if (frame := self._next_event(left)) is not None:
                 self._announced(frame)
@@ -250,7 +255,7 @@ class Subscriber:
             self._announced(frame)
 
     def _announced(self, frame: Any) -> None:
-        if frame is None:
+        if frame is None or frame.op == "ring_ready":  # prepare() asks for the ring again
             return
         if frame.op != "version":
             raise DaemonLost(f"shmstaged sent {frame.op} on a subscription")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from harness import RunningDaemon, start_daemon
-from shmstage_client import DaemonRefused, NoNewVersion, Stager, subscribe
+from shmstage_client import DaemonRefused, NoNewVersion, SaveError, Stager, subscribe
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -41,36 +41,67 @@ def shm_mappings() -> int:
     return sum(1 for line in lines if "/dev/shm/" in line)
 
 
-def publish_soon(stager: Stager, name: str, step: int, delay: float = 0.3) -> threading.Thread:
-    def publish() -> None:
-        time.sleep(delay)
-        stager.publish(state_of(step), name, step=step)
+def soon(act: Callable[[], object], delay: float = 0.3) -> threading.Thread:
+    """``act`` on a thread of its own after ``delay`` seconds (a publisher's next step)."""
 
-    thread = threading.Thread(target=publish)
+    def later() -> None:
+        time.sleep(delay)
+        act()
+
+    thread = threading.Thread(target=later)
     thread.start()
     return thread
 
 
-def test_a_subscriber_prepared_before_the_first_publish_reads_it_from_the_prepared_slots(
-    socket: str, name: str
+@pytest.mark.parametrize("ahead", ["offered before the first version", "at the first version"])
+def test_a_subscriber_that_prepared_reads_its_first_version_from_the_prepared_slots(
+    socket: str, name: str, ahead: str
 ) -> None:
+    """Prepared while waiting for its publisher: woken by the offer of the ring ahead of
+    the first version (``Stager.offer``), or by the first version itself."""
     with Stager(socket, slots=3) as stager, subscribe(name, socket=socket) as subscriber:
         stager.reserve(state_of(0))
-        publisher = publish_soon(stager, name, 1)
+        first = 1
+        if ahead.startswith("offered"):
+            publisher = soon(lambda: stager.offer(name))
+        else:
+            publisher = soon(lambda: stager.publish(state_of(first), name, step=first))
         assert subscriber.prepare("cuda", timeout=30) == 3  # no CUDA here: mapped only
         publisher.join()
         (ring,) = subscriber._rings.values()
         regions = {slot: ring.region(slot) for slot in list(ring._regions)}
         mapped = shm_mappings()
-        for step in (1, 2, 3):
-            if step > 1:
+        maps: list[tuple[int, int]] = []
+        map_slot = ring.map
+
+        def counted(slot: int, first: int, fds: Sequence[int]) -> None:
+            maps.append((slot, first))
+            map_slot(slot, first, fds)
+
+        ring.map = counted  # type: ignore[method-assign]  # counts, maps for real
+        for step in (first, 2, 3):
+            if step > first or ahead.startswith("offered"):
                 stager.publish(state_of(step), name, step=step)
             with subscriber.wait(newer_than=step - 1, timeout=10) as version:
                 assert version.step == step and uniform(version.state("cpu"), step)
                 assert version._ring is ring and version._ring.region(version._slot) is (
                     regions[version._slot]
                 ), "the version was read from a slot mapped again, not the prepared one"
+        assert maps == [], "the daemon sent a pinned slot's segments again"
         assert shm_mappings() == mapped, "a version mapped segments of its own"
+
+
+def test_an_offer_tells_the_followers_and_needs_a_reserved_layout(socket: str, name: str) -> None:
+    with Stager(socket, slots=2) as stager:
+        with pytest.raises(SaveError, match="call reserve"):
+            stager.offer(name)
+        stager.reserve(state_of(0))
+        with subscribe(name, socket=socket) as subscriber:
+            assert stager.offer(name) == 1
+            assert subscriber.prepare("cpu", timeout=0) == 2
+            assert subscriber.newest is None, "an offer is no version"
+            with pytest.raises(NoNewVersion):
+                subscriber.wait(timeout=0.2)
 
 
 def test_prepare_waits_for_the_first_version_within_its_timeout(socket: str, name: str) -> None:
