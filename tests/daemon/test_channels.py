@@ -392,3 +392,46 @@ def test_a_step_is_dropped_when_the_connection_that_publishes_a_missing_part_end
     ranks.channels.end_session(RANK1)  # killed before its part of step 2
     assert waiting.state is SlotState.FREE, "rank 0's part gives its slot back at once"
     assert not ranks.channels.channels[(UID, "policy")].assembling
+
+
+def test_a_followers_ring_is_its_channels_newest_layout_checked_as_a_pin_is() -> None:
+    world = World(publish_groups=frozenset({TEAM}))
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    assert world.channels.ring_of(PUBLISHER + 10, OWNER, channel) is None, "no version yet"
+    world.publish(1, share=(TEAM,))
+    assert world.channels.ring_of(PUBLISHER + 10, OWNER, channel) is world.staged
+    assert not world.staged.slots[0].pins and not world.channels.pins, "nothing is pinned"
+    with pytest.raises(StoreError, match="does not follow channel"):
+        world.channels.ring_of(READER, MEMBER, channel)  # not subscribed: as for a pin
+    shared = world.follow(READER, MEMBER)
+    assert world.channels.ring_of(READER, MEMBER, shared) is world.staged
+    world.publish(2)  # no longer shared
+    with pytest.raises(StoreError, match="not shared with uid") as refused:
+        world.channels.ring_of(READER, MEMBER, shared)
+    assert refused.value.code is ErrorCode.NOT_ALLOWED
+    world.store.mark_released(world.staged)  # its publisher went: no ring until the next
+    assert world.channels.ring_of(PUBLISHER + 10, OWNER, channel) is None
+
+
+def test_an_offered_ring_is_the_channels_before_its_first_version_and_may_be_shared() -> None:
+    world = World(publish_groups=frozenset({TEAM}))
+    own = world.follow(PUBLISHER + 10, OWNER)
+    with pytest.raises(StoreError, match="not shared with any of its groups"):
+        world.follow(READER, MEMBER)
+    with pytest.raises(StoreError, match=r"gid\(s\) \[501\]"):
+        world.channels.offer(UID, "policy", world.staged, share=(501,))
+    channel, told = world.channels.offer(UID, "policy", world.staged, share=(TEAM,))
+    assert [s.session for s in told] == [PUBLISHER + 10] and channel.last_step is None
+    assert world.channels.ring_of(PUBLISHER + 10, OWNER, own) is world.staged
+    shared = world.follow(READER, MEMBER)  # shared ahead of the first version
+    assert world.channels.ring_of(READER, MEMBER, shared) is world.staged
+    with pytest.raises(StoreError, match="has no version"):
+        world.channels.pin(READER, MEMBER, shared, None, None, now=0.0)
+    world.channels.end_session(PUBLISHER + 10)
+    world.channels.end_session(READER)
+    assert (UID, "policy") in world.channels.channels, "kept while its ring lives"
+    world.channels.offer(UID, "other", world.staged)  # one offered channel per layout
+    assert (UID, "policy") not in world.channels.channels
+    world.store.mark_released(world.staged)
+    world.channels._prune(world.channels.channels[(UID, "other")])
+    assert world.channels.channels == {}

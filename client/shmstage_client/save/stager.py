@@ -329,7 +329,7 @@ class Stager:
         subscribers were told. Publishing another structure makes a new ring as usual."""
         current = self._layouts.current
         return _offer(
-            self._connection,
+            self._layouts.connection,
             None if current is None else current.id,
             name,
             share,
