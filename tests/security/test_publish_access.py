@@ -88,11 +88,58 @@ for fd in got.fds:
             say("WROTE", attempt)
         except OSError as exc:
             say("DENIED", attempt, exc.errno)
+request("ring", 4, {{"channel": channel}})  # the ring's other slot, ahead of a version
+ring = frame().body
+say("RING", ring["ring"] == pinned["ring"], len(ring["slots"]), pinned["slot"] in ring["slots"])
+got = frame()
+say("RING-SEGMENTS", got.op, len(got.fds))
+for fd in got.fds:
+    say("RING-MODE", fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY)
+    for attempt in ("mmap", "write", "truncate"):
+        try:
+            if attempt == "mmap":
+                mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            elif attempt == "write":
+                os.pwrite(fd, b"x", 0)
+            else:
+                os.ftruncate(fd, 0)
+            say("RING-WROTE", attempt)
+        except OSError as exc:
+            say("RING-DENIED", attempt, exc.errno)
 mine = pinned["pin"]
 for pin in range(1, mine + 8):  # every pin id around: only its own answers
     request("checksums", 100 + pin, {{"pin": pin, "seconds": 0}})
     got = frame()
     say("CHECKSUMS", pin == mine, got.op, got.body.get("code"))
+"""
+
+
+#: The attacker, before the victim shares: asks for the ring of every channel id around
+#: (only its own channel, which it follows, answers) and offers every layout id around as
+#: the ring of its own channel (none of them is its).
+RING_PROBE = """
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect("{sock}")
+conn = Connection(Role.CLIENT)
+def request(op, rid, body):
+    sock.sendall(conn.send(op, rid, body))
+def frame():
+    while (got := conn.next_frame()) is None:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 253)
+        conn.receive_data(data, fds)
+    return got
+request("hello", 1, {{"version": protocol.PROTOCOL_VERSION, "client": "x", "pid": 1}})
+frame()
+request("subscribe", 2, {{"name": "policy"}})
+own = frame().body["channel"]
+for channel in range(1, own + 8):
+    request("ring", 10 + channel, {{"channel": channel}})
+    got = frame()
+    say("RING", channel == own, got.op, got.body.get("code"), got.body.get("ring"), len(got.fds))
+for layout in range(1, 9):
+    request("offer", 100 + layout, {{"layout": layout, "name": "policy"}})
+    got = frame()
+    say("OFFER", got.op, got.body.get("code"))
 """
 
 
@@ -117,6 +164,14 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
             "'no-such-channel'", "'policy'"
         )
         assert f"uid {attacker.uid} may not follow channel" in lines[0]
+        probe = run_as(attacker, RING_PROBE.format(sock=daemon.socket))
+        rings = [line.split()[1:] for line in probe.splitlines() if line.startswith("RING")]
+        assert ["True", "ring_slots", "None", "None", "0"] in rings, probe
+        others = [ring for ring in rings if ring[0] == "False"]
+        refused = ["False", "error", "bad_request", "None", "0"]
+        assert others and all(ring == refused for ring in others), probe
+        offers = [line for line in probe.splitlines() if line.startswith("OFFER")]
+        assert len(offers) == 8 and all(" error " in line for line in offers), probe
         flag.touch()
         shared = publisher.wait_line("SHARED")
         assert "[2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0] True" in shared, shared
@@ -139,7 +194,10 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
         written = run_as(attacker, WRITE_THROUGH.format(owner=victim.uid, sock=daemon.socket))
         assert "SEGMENTS ring_fds 1 2" in written, written
         assert "MODE True" in written and "WROTE" not in written, written
-        assert written.count("DENIED") == 3
+        assert written.count("DENIED") == 6  # the pinned slot's and the ring's other slot
+        assert "RING True 1 False" in written and "RING-SEGMENTS slot_fds 1" in written, written
+        assert "RING-MODE True" in written and "RING-WROTE" not in written, written
+        assert written.count("RING-DENIED") == 3
         # the daemon's checksums of a version: only of a pin this connection holds
         answers = [line.split()[1:] for line in written.splitlines() if "CHECKSUMS" in line]
         assert ["True", "checksummed", "None"] in answers, written
