@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import shmstage_client
+import user_forks
 
 GROUP = "shmsectrain"
 VICTIM, ATTACKER, DAEMON_USER = "shmsecvictim", "shmsecattacker", "shmsecdaemon"
@@ -86,13 +87,19 @@ def say(*words):
 
 
 def run_as(user: User, code: str, *, timeout: float = 120, env: dict | None = None) -> str:
-    """Run ``code`` as ``user``; its stdout. Fails the test if it fails."""
-    done = subprocess.run(
-        [sys.executable, "-c", _program(user, code)],
-        capture_output=True, text=True, timeout=timeout, env=_env(env),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    """Run ``code`` as ``user``, in a process of its own; its stdout. Fails the test if it
+    fails."""
+    forked = None if env else user_forks.start(_program(user, code, True), _env(None))
+    if forked is None:
+        done = subprocess.run(
+            [sys.executable, "-c", _program(user, code)],
+            capture_output=True, text=True, timeout=timeout, env=_env(env),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    out, err = forked.communicate(timeout)
+    assert forked.returncode == 0, err[-3000:]
+    return out
 
 
 def save_as(user: User, socket: object, path: str, numel: int = 8) -> str:
@@ -112,7 +119,8 @@ class Actor:
     """A long-running process of ``user``; its printed lines, read as they come."""
 
     def __init__(self, user: User, code: str, env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(
+        forked = None if env else user_forks.start(_program(user, code, True), _env(None))
+        self.proc: subprocess.Popen[str] | user_forks.Forked = forked or subprocess.Popen(
             [sys.executable, "-c", _program(user, code)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
             start_new_session=True,
@@ -139,7 +147,11 @@ class Actor:
         raise AssertionError(f"no {prefix!r} from {self.lines[-5:]}; stderr {stderr[-2000:]}")
 
     def finish(self, timeout: float = 60) -> str:
-        _out, err = self.proc.communicate(timeout=timeout)
+        if isinstance(self.proc, user_forks.Forked):  # its stdout is this actor's to read
+            self.proc.wait(timeout)
+            err = self.proc.stderr.read()
+        else:
+            _out, err = self.proc.communicate(timeout=timeout)
         self._reader.join(5)
         assert self.proc.returncode == 0, err[-3000:]
         return "\n".join(self.lines)
@@ -170,8 +182,10 @@ _CLIENT_NAMES = re.compile(
 )
 
 
-def _program(user: User, code: str) -> str:
-    client = _CLIENT_IMPORTS if _CLIENT_NAMES.search(code) else ""
+def _program(user: User, code: str, everything: bool = False) -> str:
+    """``everything``: import the client whatever the code names (``user_forks``' server
+    has imported it already)."""
+    client = _CLIENT_IMPORTS if everything or _CLIENT_NAMES.search(code) else ""
     prelude = PRELUDE.format(groups=list(user.groups), gid=user.gid, uid=user.uid, client=client)
     return prelude + textwrap.dedent(code)
 

@@ -368,12 +368,17 @@ def test_a_segment_its_client_truncates_fails_only_that_checkpoint_with_a_clear_
     assert "internal" not in daemon.log()
 
 
+#: The daemon's periodic size check every second (default 10 s): the tests that wait for
+#: it wait a second, not ten.
+SIZE_CHECKS = ("--size-check-interval", "1")
+
+
 def test_a_segment_its_client_grows_is_put_back_to_its_size(
     shared_daemon, attacker: User
 ) -> None:
     """A writable descriptor can grow its segment and fill the growth: memory no limit
     counts. The daemon's periodic check truncates it back to the size it made."""
-    daemon = shared_daemon()
+    daemon = shared_daemon(*SIZE_CHECKS)
     out = run_as(
         attacker,
         KEEPING.format(sock=daemon.socket)
@@ -384,7 +389,7 @@ def test_a_segment_its_client_grows_is_put_back_to_its_size(
         say("GROWN", sizes(fds))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and sizes(fds)[0] != (4096, 4096):
-            time.sleep(0.1)
+            time.sleep(0.02)
         say("NOW", sizes(fds))
         """,
     )
@@ -399,15 +404,22 @@ def test_a_checkpoint_whose_segment_its_owner_truncated_is_not_leased_from_memor
     """A reader maps the segments it leases: one its owner truncated would fault past the
     new end. The daemon refuses to lease it (not_retained: read the files) and, once it has
     grown it back with zeros, holds no checkpoint in it any more."""
-    daemon = shared_daemon()
+    daemon = shared_daemon(*SIZE_CHECKS)
     out = run_as(
         attacker,
         KEEPING.format(sock=daemon.socket)
         + f"""
         from shmstage_client.errors import DaemonRefused
         layout, fds = register([["w", "F32", [1024], None]])
+        _, probe = register([["p", "F32", [1024], None]])
         slot, job = commit_filled(layout, fds, "{arena}/{attacker.name}/held")
         say("DONE", conn.job_future(job).result(60)["ok"])
+        # Truncated just after a size check (seen putting back a grown probe), so that the
+        # lease below comes a second before the next check, not racing it.
+        os.ftruncate(probe[0], 8192)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sizes(probe)[0][0] != 4096:
+            time.sleep(0.01)
         os.ftruncate(fds[0], 100)
         for when in ("now", "later"):
             reader = DaemonConnection("{daemon.socket}")
@@ -420,10 +432,10 @@ def test_a_checkpoint_whose_segment_its_owner_truncated_is_not_leased_from_memor
                 say("REFUSED", when, exc.code, exc.message)
             handle.finish()
             reader.close()
-            # The daemon's size check (every 10 s) puts it back: wait for that, not 12 s.
+            # The daemon's size check (every second here) puts it back: wait for that.
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and sizes(fds)[0] != (4096, 4096):
-                time.sleep(0.1)
+                time.sleep(0.02)
             time.sleep(0.5)  # the loop drops the held checkpoint just after the size is back
         say("SIZE", sizes(fds))
         """,
