@@ -10,6 +10,9 @@ measured in the same run:
   with CUDA read-only) against the raw host-to-device copy + 0.05 s/GiB, and later
   versions, both slots of the ring already mapped and registered (from the third on),
   against the raw copy alone;
+* the same first version read by a subscriber that prepared before the first publish
+  (the publisher offered its reserved layout, ``Stager.offer``; the subscriber mapped and
+  registered every slot, ``Subscriber.prepare``), against the same two limits;
 * commit-to-wake-up: from the publisher sending "publish" (a tiny state) to the
   subscriber's ``wait()`` returning with the version pinned, p50 and p99;
 * ``save(..., publish=)``'s stall over a plain ``save()``'s (each save durable before the
@@ -94,6 +97,7 @@ def reader(socket: str, device_name: str, pipe: Any) -> None:
         torch.cuda.init()
         torch.empty(1, device=device)
     big = subscribe("bench", socket=socket)
+    early = subscribe("bench", socket=socket)  # prepares before the first publish
     ping = subscribe("ping", socket=socket)
     pipe.send("ready")
     held: Any = None
@@ -109,6 +113,21 @@ def reader(socket: str, device_name: str, pipe: Any) -> None:
                 _sync(device)
             done = time.perf_counter()
             pipe.send({"pin": woken - started, "copy": done - woken, "total": done - started})
+        elif order[0] == "prepare":  # the parent offered "bench"'s ring, published nothing
+            started = time.perf_counter()
+            slots = early.prepare(device, timeout=120, block=True)
+            pipe.send({"prepare": time.perf_counter() - started, "slots": slots})
+        elif order[0] == "early":  # read step order[1] with the prepared subscriber, once
+            started = time.perf_counter()
+            with early.wait(newer_than=order[1] - 1, timeout=120) as version:
+                woken = time.perf_counter()
+                held = None
+                held = version.state(device)
+                _sync(device)
+            done = time.perf_counter()
+            pipe.send({"pin": woken - started, "copy": done - woken, "total": done - started})
+            held = None
+            early.close()  # its registrations go: the rest of the run is as before
         elif order[0] == "stream":
             with big.wait(timeout=120) as version:
                 started = time.perf_counter()
@@ -135,6 +154,7 @@ def reader(socket: str, device_name: str, pipe: Any) -> None:
             break
     del held
     big.close()
+    early.close()
     ping.close()
 
 
@@ -177,16 +197,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         with Stager(socket, slots=2) as stager, Stager(socket, slots=2) as pinger:
             reserved = stager.reserve(state)
             out["reserve_s"] = reserved.seconds
-            stalls, reads = [], []
+            stager.offer("bench")
+            ours.send(("prepare",))
+            prepared = _recv(ours)
+            out["prepare_s"] = prepared["prepare"]
+            out["prepared_slots"] = prepared["slots"]
+            stalls, reads, early = [], [], {}
             for step in range(1, args.versions + 1):
                 published = stager.publish(state, "bench", step=step)
                 stalls.append(published.timings.stall_seconds)
                 ours.send(("version", step))
                 reads.append(_recv(ours))
+                if step == 1:  # after the cold reader, as a second reader of step 1
+                    ours.send(("early", step))
+                    early = _recv(ours)
             out["publish_stall_s"] = statistics.median(stalls[1:] or stalls)
             out["first_version_s"] = reads[0]["total"]
             out["first_version_pin_s"] = reads[0]["pin"]
             out["first_version_copy_s"] = reads[0]["copy"]
+            out["prepared_first_version_s"] = early["total"]
+            out["prepared_first_version_copy_s"] = early["copy"]
             # the first version in each of the two slots maps and registers that slot
             later = reads[2:] or reads
             out["ring_version_s"] = statistics.median(r["total"] for r in later)
@@ -207,6 +237,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ring version / raw h2d (<= 1.15)": out["ring_version_s"] / h2d,
         "first version / (raw h2d + 0.05 s/GiB) (<= 1)": out["first_version_s"]
         / (h2d + 0.05 * gib),
+        "prepared first version / (raw h2d + 0.05 s/GiB) (<= 1)": out[
+            "prepared_first_version_s"
+        ]
+        / (h2d + 0.05 * gib),
+        "prepared first version / raw h2d (<= 1.15)": out["prepared_first_version_s"] / h2d,
         "step while pulling / step alone (<= 1.05)": out["step_pulling_s"] / out["step_alone_s"],
     }
     return out
