@@ -734,3 +734,48 @@ def test_gather_falls_back_to_direct_copies_with_one_warning_when_its_scratch_ca
     warned = [r for r in caplog.records if "to gather small tensors" in r.getMessage()]
     assert len(warned) == 1
     assert_same(load(ckpt / "b"), _on_cpu(state))
+
+
+def test_a_subscriber_prepared_before_the_first_publish_copies_it_bit_exact_registering_nothing(
+    daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher offers its reserved layout; the subscriber maps and registers every
+    slot of it (``prepare``) before a version exists; the first versions, one in each
+    slot, land bit-exact on the device through those registrations, registering nothing."""
+    from shmstage_client import pinning, subscribe
+    from shmstage_client.subscribe import ring
+
+    monkeypatch.setattr(ring, "PIECE_BYTES", 64 << 10)
+    calls = []
+    register = pinning.register_range
+
+    def counted(*args: object) -> None:
+        calls.append(args[1])
+        register(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pinning, "register_range", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a registration CUDA refused would warn
+        with Stager(daemon.socket, slots=2) as stager, subscribe(
+            "p", socket=daemon.socket
+        ) as sub:
+            stager.reserve(_published_state(0))
+            stager.offer("p")
+            assert sub.prepare("cuda", timeout=60, block=True) == 2
+            (prepared,) = sub._rings.values()
+            registrations = dict(prepared._registrations)
+            assert sorted(registrations) == sorted(prepared._regions)
+            assert all(d.result() for r in registrations.values() for d in r.done)
+            registered = len(calls)
+            assert registered == sum(len(r.pieces) for r in registrations.values()) > 100
+            for step in (1, 2):
+                state = _published_state(step)
+                stager.publish(state, "p", step=step)
+                with sub.wait(newer_than=step - 1, timeout=30) as version:
+                    assert version._ring is prepared
+                    assert version._ring._registrations[version._slot] is (
+                        registrations[version._slot]
+                    )
+                    assert_same(version.state("cuda"), state)
+            assert len(calls) == registered, "a prepared slot was registered again"
+    assert torch.ones(1, device="cuda").item() == 1.0
