@@ -20,6 +20,7 @@ from safetensors import safe_open
 from shmstage import checkpoint, instance, names, segment
 
 if TYPE_CHECKING:  # trainer.py imports this module without the tests' harness on its path
+    import user_forks
     from harness import RunningDaemon
 
 TRAINER = Path(__file__).with_name("trainer.py")
@@ -116,17 +117,26 @@ def instance_clean(instance_id: str) -> bool:
     return segment.list_names(instance_id) == [] and not lock_exists(instance_id)
 
 
-def start_trainer(sock: Path, root: Path, mode: str, seed: int, *extra: str) -> subprocess.Popen:
-    """A real trainer process (``trainer.py``); it prints one marker line per milestone."""
-    return subprocess.Popen(
-        [sys.executable, str(TRAINER), str(sock), str(root), mode, str(seed), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def start_trainer(
+    sock: Path, root: Path, mode: str, seed: int, *extra: str
+) -> subprocess.Popen | user_forks.Forked:
+    """A real trainer process (``trainer.py``, forked with torch imported where it can be:
+    ``user_forks``); it prints one marker line per milestone."""
+    import user_forks
+
+    argv = [str(TRAINER), str(sock), str(root), mode, str(seed), *extra]
+    program = (
+        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(TRAINER.parent)!r})\n"
+        f"runpy.run_path({str(TRAINER)!r}, run_name='__main__')\n"
+    )
+    return user_forks.start(program, user_forks.environment()) or subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
-def read_marker(proc: subprocess.Popen, expected: str, timeout: float = 60) -> str:
+def read_marker(
+    proc: subprocess.Popen | user_forks.Forked, expected: str, timeout: float = 60
+) -> str:
     """The trainer's next marker line; fails with its stderr if it died or stayed silent."""
     import selectors
 
@@ -144,7 +154,7 @@ def read_marker(proc: subprocess.Popen, expected: str, timeout: float = 60) -> s
     return line
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen | user_forks.Forked) -> None:
     proc.kill()
     proc.wait(10)
 
@@ -185,11 +195,16 @@ def run_as(code: str, *, uid: int = NOBODY, gid: int = NOBODY, timeout: float = 
     The interpreter lives under /root (0700), so the child imports everything as root
     first and then drops to ``uid`` for good — SO_PEERCRED sees only the dropped uid.
     """
+    import user_forks
+
+    program = _AS_NOBODY.format(uid=uid, gid=gid) + textwrap.dedent(code)
+    forked = user_forks.start(program, user_forks.environment())  # or None: python -c
+    if forked is not None:
+        out, err = forked.communicate(timeout)
+        assert forked.returncode == 0, err[-3000:]
+        return out
     done = subprocess.run(
-        [sys.executable, "-c", _AS_NOBODY.format(uid=uid, gid=gid) + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -191,7 +191,7 @@ def _program(user: User, code: str, everything: bool = False) -> str:
 
 
 def _env(extra: dict | None) -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+    return user_forks.environment(extra)
 
 
 def status_latency(sock: Path, user: User, seconds: float) -> Actor:

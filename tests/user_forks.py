@@ -1,17 +1,18 @@
-"""Processes of the security suite's users, forked from one that imported torch once.
+"""Test processes forked from one that imported torch once: users' code, trainers.
 
-Every ``run_as`` and ``Actor`` is a process of its own, as a trainer is: its own pid, its
-own connections, its uid, gid and groups dropped for good before the test's code runs. What
-they spared is the import: each ``python -c`` of them imported torch and the client anew
-(~2.7 s here, most of the security suite's time). A server started once per test process
-imports everything as root (as ``sec_helpers.PRELUDE`` does), and forks a process for each
-request; the forked process drops to the user and runs the code, in a fresh namespace, in a
-new process group (so that ``killpg`` ends it and what it started), its stdout and stderr the
-pipes the test reads. A helper process between the two waits for it and reports its exit
-status, as ``Popen`` would.
+The security and fault suites run code in processes of its own, as a trainer is: its own
+pid, its own connections, and for another user its uid, gid and groups dropped for good
+before that code runs. What they spared is the import: each ``python -c`` imported torch
+and the client anew (~2.7 s here, and 0.7 s more to tear them down at exit: most of those
+suites' time). A server started once per test process imports everything as root (the
+interpreter lives under /root: a user could not import it), and forks a process for each
+request, which runs the program (dropping to its user first where it does) in a fresh
+namespace and its own process group (so that ``killpg`` ends it and what it started), its
+stdout and stderr the pipes the test reads. A helper process between the two waits for it
+and reports its exit status, as ``Popen`` would.
 
-Only for the environment the server started with: code run with other variables (some are
-read when a module is imported) goes through ``python -c`` as before (``sec_helpers``).
+Only for the environment the server started with: a program run with other variables (some
+are read when a module is imported) goes through ``python -c`` as before (``start`` says so).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from pathlib import Path
 #: /root), then forks a helper per request, which forks the user's process and reports.
 SERVER = r"""
 import atexit, gc, os, sys, json, socket, signal, traceback
-import torch
+import torch, posix_ipc, pytest, safetensors, safetensors.torch
 import shmstage_client
 from shmstage_client import *
 import shmstage_daemon.main
-from shmstage import protocol, segment
+from shmstage import checkpoint, protocol, segment
 from shmstage.control import ControlClient
 import msgpack, struct, time, shutil, threading, fcntl, mmap
 
@@ -81,37 +82,38 @@ def serve(path):
 
 try:
     serve(sys.argv[1])
-except Worker as worker:
+    sys.exit(0)
+except Worker as worker:  # in the forked process: its program runs outside this block
     conn, request, (stdin, stdout, stderr) = worker.args
-    conn.close()
-    os.setpgid(0, 0)
-    for fd, to in ((stdin, 0), (stdout, 1), (stderr, 2)):
-        os.dup2(fd, to)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    status = 0
-    try:
-        exec(compile(request["program"], "<string>", "exec"), namespace)
-    except SystemExit as exc:
-        if isinstance(exc.code, int) or exc.code is None:
-            status = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            status = 1
-    except BaseException:
-        traceback.print_exc()
+conn.close()
+os.setpgid(0, 0)
+for fd, to in ((stdin, 0), (stdout, 1), (stderr, 2)):
+    os.dup2(fd, to)
+    os.close(fd)
+os.environ.clear()
+os.environ.update(request["env"])
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+status = 0
+try:
+    exec(compile(request["program"], "<string>", "exec"), namespace)
+except SystemExit as exc:
+    if isinstance(exc.code, int) or exc.code is None:
+        status = exc.code or 0
+    else:
+        print(exc.code, file=sys.stderr)
         status = 1
-    # What the interpreter's exit does for the program (its threads joined, atexit, its
-    # objects' finalizers), not the teardown of torch's modules (0.7 s a process).
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    namespace.clear()
-    gc.collect()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+except BaseException:
+    traceback.print_exc()
+    status = 1
+# What the interpreter's exit does for the program (its threads joined, atexit, its
+# objects' finalizers), not the teardown of torch's modules (0.7 s a process).
+threading._shutdown()
+atexit._run_exitfuncs()
+namespace.clear()
+gc.collect()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(status)
 """
 
 
@@ -193,7 +195,7 @@ class Forked:
 
 
 class Server:
-    """The server process of one test process (started on first use, ended at exit)."""
+    """The server of one test process (started on first use, ended at its exit)."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
@@ -241,6 +243,12 @@ class Server:
 
 _server: Server | None = None
 _lock = threading.Lock()
+
+
+def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment for a program (its output unbuffered: read as it
+    comes), with ``extra`` on top."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 def start(program: str, env: dict[str, str]) -> Forked | None:
