@@ -16,12 +16,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import RunningDaemon
+from harness import RunningDaemon, start_daemon
 from shmstage_bench import budget as budget_module
 from shmstage_bench import comparison, direct_io, peers, report, restore
 from shmstage_bench import method as method_module
@@ -58,34 +59,60 @@ TINY = [
 ]
 
 
-def run_bench(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None, socket: bool = True
-) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """Run the CLI as a user would; its own daemon on a private socket unless told."""
-    out = tmp_path / "report.json"
-    environ = dict(os.environ, **(env or {}))
-    paths = [str(REPO / "bench"), str(REPO / "client"), str(REPO / "daemon"), str(REPO)]
-    environ["PYTHONPATH"] = os.pathsep.join([*paths, environ.get("PYTHONPATH", "")])
-    cmd = [
-        sys.executable,
-        "-m",
-        "shmstage_bench",
-        *args,
-        "--dir",
-        str(tmp_path / "ckpt"),
-        "--json",
-        str(out),
-        "--png",
-        str(tmp_path / "report.png"),
-    ]
-    if socket:
-        cmd += ["--socket", str(tmp_path / "bench-daemon" / "shmstaged.sock")]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "report.png").exists(), proc.stdout
-    leftovers = list((tmp_path / "ckpt").iterdir()) if (tmp_path / "ckpt").exists() else []
-    assert leftovers == [], "the bench must delete every checkpoint it wrote"
-    return proc, json.loads(out.read_text())
+class BenchRun:
+    """One run of the CLI as a user would start it; its own daemon on a private socket
+    unless told. Started at once: ``report()`` waits for it and checks what every run must
+    leave (exit 0, a chart, no checkpoint)."""
+
+    def __init__(
+        self, tmp_path: Path, *args: str, env: dict[str, str] | None = None, socket: bool = True
+    ) -> None:
+        self.tmp_path = tmp_path
+        environ = dict(os.environ, **(env or {}))
+        paths = [str(REPO / "bench"), str(REPO / "client"), str(REPO / "daemon"), str(REPO)]
+        environ["PYTHONPATH"] = os.pathsep.join([*paths, environ.get("PYTHONPATH", "")])
+        cmd = [
+            sys.executable,
+            "-m",
+            "shmstage_bench",
+            *args,
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--json",
+            str(tmp_path / "report.json"),
+            "--png",
+            str(tmp_path / "report.png"),
+        ]
+        if socket:
+            cmd += ["--socket", str(tmp_path / "bench-daemon" / "shmstaged.sock")]
+        self.proc = subprocess.Popen(
+            cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.output: tuple[str, str] | None = None
+        self.done: tuple[subprocess.CompletedProcess[str], dict[str, Any]] | None = None
+
+    def wait(self) -> tuple[str, str]:
+        """Its output, once it ended (killed if it runs past 240 s)."""
+        if self.output is None:
+            try:
+                self.output = self.proc.communicate(timeout=240)
+            finally:
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                    self.proc.wait()
+        return self.output
+
+    def report(self) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+        if self.done is None:
+            stdout, stderr = self.wait()
+            proc = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert (self.tmp_path / "report.png").exists(), proc.stdout
+            ckpt = self.tmp_path / "ckpt"
+            leftovers = list(ckpt.iterdir()) if ckpt.exists() else []
+            assert leftovers == [], "the bench must delete every checkpoint it wrote"
+            self.done = proc, json.loads((self.tmp_path / "report.json").read_text())
+        return self.done
 
 
 def assert_ok(rows: dict[str, dict[str, Any]], *names: str) -> None:
@@ -488,8 +515,88 @@ def test_ml_flashpoint_restores_its_latest_checkpoint_at_the_second_save(
 # ----------------------------------------------------------------------- scenarios
 
 
-def test_peers_scenario_every_row_present(tmp_path: Path) -> None:
-    proc, rep = run_bench(tmp_path, *TINY, "--repeats", "1")
+@pytest.fixture(scope="module")
+def attached_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """The shmstaged the overlapped scenario attaches to (``--attach``)."""
+    running = start_daemon(tmp_path_factory.mktemp("attached-daemon"))
+    yield running
+    running.discard()
+
+
+@pytest.fixture(scope="module")
+def scenario(
+    tmp_path_factory: pytest.TempPathFactory, attached_daemon: RunningDaemon
+) -> Iterator[dict[str, BenchRun]]:
+    """Every CLI run the scenario tests below check, started together when the first of
+    them asks for its report: each run spends most of its time waiting (on its daemon, its
+    parts' processes, a broken method's deadline), so together they take about as long as
+    the slowest one alone, where one after another they took a minute more. Each has its
+    own directories, socket and daemon (the overlapped run its own attached one)."""
+
+    def start(name: str, *args: str, **kwargs: Any) -> BenchRun:
+        return BenchRun(tmp_path_factory.mktemp(name), *args, **kwargs)
+
+    runs = {
+        "peers": start("peers", *TINY, "--repeats", "1"),
+        # The broken methods are TEST-ONLY, offered by the CLI only with this variable set.
+        "broken": start(
+            "broken",
+            *TINY,
+            "--repeats",
+            "1",
+            "--methods",
+            "test-crash,test-hang,test-hang-save,test-leak-fds,raw-copy",
+            # 6 s covers the first child's wait for the fork server to import torch; each
+            # save here (4 MiB, or none) takes milliseconds, so 1 s is plenty for one.
+            "--method-timeout",
+            "6",
+            "--save-timeout",
+            "1",
+            env={TEST_METHODS_ENV: "1"},
+        ),
+        "overlapped": start(
+            "overlapped",
+            *TINY,
+            "--scenario",
+            "overlapped",
+            "--saves",
+            "3",
+            "--attach",
+            "--socket",
+            str(attached_daemon.socket),
+            socket=False,
+        ),
+        "training": start(
+            "training",
+            "--device",
+            "cpu",
+            "--scenario",
+            "training",
+            "--saves",
+            "2",
+            "--save-every",
+            "1",
+            "--guard",
+            "--reserve",
+        ),
+        "restore": start(
+            "restore",
+            *TINY,
+            "--scenario",
+            "restore",
+            "--drop-caches",
+            "fadvise",
+            "--restores",
+            "2",
+        ),
+    }
+    yield runs
+    for run in runs.values():  # a run no test asked for (-k) still ends as it would
+        run.wait()
+
+
+def test_peers_scenario_every_row_present(scenario: dict[str, BenchRun]) -> None:
+    proc, rep = scenario["peers"].report()
     rows = report.rows_by_name(rep, "methods")
     assert list(rows) == METHOD_NAMES
     assert rep["config"]["total_bytes"] == 4 << 20 and rep["config"]["tensors"] == 8
@@ -521,32 +628,17 @@ def test_peers_scenario_every_row_present(tmp_path: Path) -> None:
     assert_ok(trainer, "idle (nothing in flight)", "while shmstaged persists")
     assert trainer["idle (nothing in flight)"]["step_s"] > 0
     assert rep["daemon"]["started_by_bench"] is True
-    assert rep["daemon"]["socket"] == str(tmp_path / "bench-daemon" / "shmstaged.sock")
+    bench_socket = scenario["peers"].tmp_path / "bench-daemon" / "shmstaged.sock"
+    assert rep["daemon"]["socket"] == str(bench_socket)
     assert "journal" in rep["daemon"]["description"]
     for name in METHOD_NAMES:
         assert name in proc.stdout
 
 
 def test_peer_that_crashes_hangs_or_leaks_is_one_error_row_and_the_report_is_written(
-    tmp_path: Path,
+    scenario: dict[str, BenchRun],
 ) -> None:
-    # The broken methods are TEST-ONLY, offered by the CLI only with this variable set.
-    methods = "test-crash,test-hang,test-hang-save,test-leak-fds,raw-copy"
-    proc, rep = run_bench(
-        tmp_path,
-        *TINY,
-        "--repeats",
-        "1",
-        "--methods",
-        methods,
-        # 6 s covers the first child's wait for the fork server to import torch; each save
-        # here (4 MiB, or none) takes milliseconds, so 1 s is plenty for one.
-        "--method-timeout",
-        "6",
-        "--save-timeout",
-        "1",
-        env={TEST_METHODS_ENV: "1"},
-    )
+    proc, rep = scenario["broken"].report()
     rows = report.rows_by_name(rep, "methods")
     assert rows["test-crash"]["status"] == "error"
     assert "signal SIGSEGV" in rows["test-crash"]["error"]
@@ -581,20 +673,9 @@ def test_a_part_stopped_by_the_bench_s_budget_is_not_called_hung(
 
 
 def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
-    tmp_path: Path, daemon: RunningDaemon
+    scenario: dict[str, BenchRun],
 ) -> None:
-    _, rep = run_bench(
-        tmp_path,
-        *TINY,
-        "--scenario",
-        "overlapped",
-        "--saves",
-        "3",
-        "--attach",
-        "--socket",
-        str(daemon.socket),
-        socket=False,
-    )
+    _, rep = scenario["overlapped"].report()
     assert report.rows_by_name(rep, "limits")["raw pinned copy (same bytes)"]["seconds"] > 0
     rows = report.rows_by_name(rep, "saves")
     names = [
@@ -613,24 +694,14 @@ def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
         assert row["backpressure_s"] >= 0
         assert row["stall_net_s"] == pytest.approx(row["wall_stall_s"] - row["backpressure_s"])
         assert row["stall_vs_raw_copy"] > 0
-    assert rep["daemon"]["started_by_bench"] is False  # --attach: the fixture's daemon
+    assert rep["daemon"]["started_by_bench"] is False  # --attach: attached_daemon
     assert rep["config"]["interval_s"] > 0
 
 
-def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(tmp_path: Path) -> None:
-    _, rep = run_bench(
-        tmp_path,
-        "--device",
-        "cpu",
-        "--scenario",
-        "training",
-        "--saves",
-        "2",
-        "--save-every",
-        "1",
-        "--guard",
-        "--reserve",
-    )
+def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(
+    scenario: dict[str, BenchRun],
+) -> None:
+    _, rep = scenario["training"].report()
     saves = report.rows_by_name(rep, "saves")
     plain = ["plain: first save (registers)", "plain: save 1 (step 4)", "plain: save 2 (step 5)"]
     assert_ok(saves, *plain, "plain: steady (median of saves 2..N)")
@@ -650,10 +721,10 @@ def test_training_scenario_checkpoints_are_bit_exact_and_guard_is_a_row(tmp_path
         assert "not supported by this client" in saves["guard"]["error"]
 
 
-def test_restore_scenario_every_row_and_the_restart_after_sigkill(tmp_path: Path) -> None:
-    _, rep = run_bench(
-        tmp_path, *TINY, "--scenario", "restore", "--drop-caches", "fadvise", "--restores", "2"
-    )
+def test_restore_scenario_every_row_and_the_restart_after_sigkill(
+    scenario: dict[str, BenchRun],
+) -> None:
+    _, rep = scenario["restore"].report()
     rows = report.rows_by_name(rep, "restore")
     restart = "restart: latest() after SIGKILL"
     prepared = "restart: prepare_restore() at start-up, latest()"

@@ -1,4 +1,5 @@
-"""Client-test fixtures: a slow network filesystem (``client_helpers.SlowFilesystem``)."""
+"""Client-test fixtures: one real shmstaged per test module, and a slow network filesystem
+(``client_helpers.SlowFilesystem``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,22 @@ from collections.abc import Iterator
 
 import pytest
 from client_helpers import SlowFilesystem
+from harness import RunningDaemon, start_daemon
 from shmstage_client.save import destination
+
+
+@pytest.fixture(scope="module")
+def module_daemon(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningDaemon]:
+    """One shmstaged for a whole test module: a start costs a second of the machine's
+    time, and most tests only need a daemon to save through, each under its own directory
+    (``ckpt``) with its own Stager. A test that looks at the daemon itself — its log, its
+    segments, its layout numbers — or stops it, or needs a setting, has its own
+    (``daemon``, or ``harness.start_daemon``)."""
+    running = start_daemon(tmp_path_factory.mktemp(f"{request.module.__name__}-daemon"))
+    yield running
+    running.discard()
 
 
 @pytest.fixture

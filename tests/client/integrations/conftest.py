@@ -1,9 +1,10 @@
-"""Integration-test fixtures: one real shmstaged per test module, its socket, a channel name.
+"""Integration-test fixtures: the module's shmstaged's socket, a channel name.
 
-One daemon serves a whole module: the integrations' tests each save under their own
-directory or publish on their own channel (``name``), so they do not see each other, and a
-module pays the daemon's start-up once. A test that needs a daemon of its own (a fault
-hook, a config, one it kills) starts it with ``harness.start_daemon``.
+One daemon serves a whole module (``module_daemon``, tests/client/conftest.py): the
+integrations' tests each save under their own directory or publish on their own channel
+(``name``), so they do not see each other, and a module pays the daemon's start-up once. A
+test that needs a daemon of its own (a fault hook, a config, one it kills) starts it with
+``harness.start_daemon``.
 """
 
 from __future__ import annotations
@@ -11,20 +12,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import RunningDaemon, start_daemon
-
-
-@pytest.fixture(scope="module")
-def module_daemon(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp(f"{request.module.__name__}-daemon"))
-    yield running
-    running.discard()
+from harness import RunningDaemon
 
 
 @pytest.fixture
