@@ -59,14 +59,16 @@ def state_of(model: Net, optimizer: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
 
 
-def test_the_step_right_after_a_non_blocking_save_changes_no_byte_of_it(daemon, ckpt) -> None:
+def test_the_step_right_after_a_non_blocking_save_changes_no_byte_of_it(
+    module_daemon, ckpt
+) -> None:
     """24 steps, a non-blocking save every 3, each followed at once by a training step
     (forward updates BatchNorm's buffers, the optimizer every parameter and its state);
     every other save's copy is held until the step is under way, so its step certainly
     reached the guard before the copy ran."""
     model, optimizer = trainer()
     expected, handles, gaps = [], [], []
-    with Stager(daemon.socket, slots=2) as stager:
+    with Stager(module_daemon.socket, slots=2) as stager:
         stager.guard(optimizer)
         for step in range(24):
             gate = None
@@ -93,13 +95,15 @@ def test_the_step_right_after_a_non_blocking_save_changes_no_byte_of_it(daemon, 
     assert sorted(gaps)[len(gaps) // 2] < 0.005, gaps  # stall_seconds is save()'s wall clock
 
 
-def test_a_mutation_outside_the_guard_before_staged_is_the_callers_error(daemon, ckpt) -> None:
+def test_a_mutation_outside_the_guard_before_staged_is_the_callers_error(
+    module_daemon, ckpt
+) -> None:
     """The guard holds back the optimizer, nothing else: an in-place change of a covered
     tensor before ``staged()`` reaches the checkpoint (as the README says); after
     ``staged()`` it cannot."""
     model, optimizer = trainer()
     weight = model.a.weight
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.guard(optimizer)
         before = weight.detach().clone()
         gate = CopyGate(stager)
@@ -123,7 +127,7 @@ def test_a_mutation_outside_the_guard_before_staged_is_the_callers_error(daemon,
     assert torch.equal(load(ckpt / "safe")["w"], before)
 
 
-def test_tensors_no_guard_covers_are_copied_before_save_returns(daemon, ckpt) -> None:
+def test_tensors_no_guard_covers_are_copied_before_save_returns(module_daemon, ckpt) -> None:
     """Buffers (updated in place by forward), gradients and anything else outside the
     guarded optimizers' parameters and state are copied eagerly: changed right after
     save() returned, while the guarded copy is still held, the checkpoint has them as
@@ -138,7 +142,7 @@ def test_tensors_no_guard_covers_are_copied_before_save_returns(daemon, ckpt) ->
         "extra": extra,
     }
     want = clone(state)
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.guard(optimizer)
         gate = CopyGate(stager)
         handle = stager.save(state, ckpt / "c", block=False)
@@ -153,7 +157,7 @@ def test_tensors_no_guard_covers_are_copied_before_save_returns(daemon, ckpt) ->
 
 
 @pytest.mark.parametrize("one_call", [True, False], ids=["guard(a, b)", "guard(a); guard(b)"])
-def test_several_optimizers_are_each_held_back(daemon, ckpt, one_call: bool) -> None:
+def test_several_optimizers_are_each_held_back(module_daemon, ckpt, one_call: bool) -> None:
     torch.manual_seed(0)
     model = Net()
     sgd = torch.optim.SGD(model.a.parameters(), lr=0.1, momentum=0.9)
@@ -167,7 +171,7 @@ def test_several_optimizers_are_each_held_back(daemon, ckpt, one_call: bool) -> 
         sgd.step()
         adam.step()
     wants, handles = [], []
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         if one_call:
             stager.guard(sgd, adam)
         else:
@@ -188,7 +192,7 @@ def test_several_optimizers_are_each_held_back(daemon, ckpt, one_call: bool) -> 
         assert_same(load(handle.path), want)
 
 
-def test_zero_grad_right_after_save_leaves_the_saved_gradients(daemon, ckpt) -> None:
+def test_zero_grad_right_after_save_leaves_the_saved_gradients(module_daemon, ckpt) -> None:
     """Gradients are copied eagerly (backward writes them in place, outside any hook), so
     zero_grad(set_to_none=False) needs no hold and gets none: it runs while the guarded
     copy is still held, and the checkpoint keeps the gradients."""
@@ -196,7 +200,7 @@ def test_zero_grad_right_after_save_leaves_the_saved_gradients(daemon, ckpt) -> 
     forward_backward(model, 0)
     state = {"model": model.state_dict(), "grads": {n: p.grad for n, p in model.named_parameters()}}
     want = clone(state)
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.guard(optimizer)
         gate = CopyGate(stager)
         handle = stager.save(state, ckpt / "c", block=False)
@@ -208,7 +212,7 @@ def test_zero_grad_right_after_save_leaves_the_saved_gradients(daemon, ckpt) -> 
     assert_same(load(ckpt / "c"), want)
 
 
-def test_an_lr_scheduler_step_right_after_save_leaves_the_old_lr(daemon, ckpt) -> None:
+def test_an_lr_scheduler_step_right_after_save_leaves_the_old_lr(module_daemon, ckpt) -> None:
     """Param groups are plain values (encoded when save() is called) or, for a tensor
     ``lr``, tensors no guard covers (copied before save() returns): a scheduler's step
     right after save() changes neither in the checkpoint."""
@@ -229,7 +233,7 @@ def test_an_lr_scheduler_step_right_after_save_leaves_the_old_lr(daemon, ckpt) -
         "schedulers": [s.state_dict() for s in schedulers],
     }
     want = clone(state)
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.guard(plain, tensor_lr)
         gate = CopyGate(stager)
         handle = stager.save(state, ckpt / "c", block=False)
@@ -245,10 +249,10 @@ def test_an_lr_scheduler_step_right_after_save_leaves_the_old_lr(daemon, ckpt) -
     assert_same(got, want)
 
 
-def test_a_second_save_waits_for_the_first_copy_and_says_how_long(daemon, ckpt) -> None:
+def test_a_second_save_waits_for_the_first_copy_and_says_how_long(module_daemon, ckpt) -> None:
     model, optimizer = trainer()
     train_step(model, optimizer, 0)
-    with Stager(daemon.socket, slots=2) as stager:
+    with Stager(module_daemon.socket, slots=2) as stager:
         stager.guard(optimizer)
         stager.save(state_of(model, optimizer, 0), ckpt / "warm").wait(60)  # registers
         first_want = clone(state_of(model, optimizer, 1))
@@ -306,11 +310,11 @@ def test_daemon_killed_while_a_deferred_copy_runs(tmp_path: Path, daemon, ckpt) 
                 segment.unlink(name)
 
 
-def test_removing_a_guard_makes_its_tensors_eager_again(daemon, ckpt, caplog) -> None:
+def test_removing_a_guard_makes_its_tensors_eager_again(module_daemon, ckpt, caplog) -> None:
     model, optimizer = trainer()
     train_step(model, optimizer, 0)
     weight = model.a.weight
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         guard = stager.guard(optimizer)
         guard.remove()
         gate = CopyGate(stager)
@@ -325,8 +329,8 @@ def test_removing_a_guard_makes_its_tensors_eager_again(daemon, ckpt, caplog) ->
     assert "without a guard" in caplog.text
 
 
-def test_guard_refuses_what_is_not_an_optimizer(daemon) -> None:
-    with Stager(daemon.socket) as stager:
+def test_guard_refuses_what_is_not_an_optimizer(module_daemon) -> None:
+    with Stager(module_daemon.socket) as stager:
         with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
             stager.guard(torch.nn.Linear(2, 2))
         with pytest.raises(ValueError, match="at least one optimizer"):
