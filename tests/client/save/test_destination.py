@@ -29,8 +29,8 @@ def state(step: int) -> dict:
     return {"w": torch.full((1024,), float(step)), "step": step}
 
 
-def test_a_new_directory_appears_only_once_the_checkpoint_is_complete(daemon, ckpt) -> None:
-    with Stager(daemon.socket) as stager:
+def test_a_new_directory_appears_only_once_the_checkpoint_is_complete(module_daemon, ckpt) -> None:
+    with Stager(module_daemon.socket) as stager:
         handle = stager.save(state(1), ckpt / "step-1")
         result = handle.wait(60)
         assert sorted(os.listdir(ckpt / "step-1")) == ["model.safetensors", MANIFEST_NAME]
@@ -56,14 +56,14 @@ def test_a_new_directory_appears_only_once_the_checkpoint_is_complete(daemon, ck
 
 
 def test_a_slow_filesystem_stalls_only_the_first_save(
-    daemon, ckpt, slow_filesystem: SlowFilesystem
+    module_daemon, ckpt, slow_filesystem: SlowFilesystem
 ) -> None:
     """Every mkdir and create costs 0.4 s (a simulated slow NFS server, see conftest). The
     first save pays for its directory and files; from the second on, the Stager made them
     in the background, and save() makes no filesystem round trip on the caller's thread."""
     delay = slow_filesystem.delay
     main = threading.current_thread().name
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         first = stager.save(state(0), ckpt / "step-0")
         assert first.stall_seconds >= 3 * delay  # mkdir + two creates, on this thread
         assert first.timings.setup_seconds >= 3 * delay
@@ -89,10 +89,10 @@ def test_a_slow_filesystem_stalls_only_the_first_save(
     assert_same(load(ckpt / "other" / "step-9"), state(9))
 
 
-def test_files_go_into_an_existing_directory_as_before(daemon, ckpt) -> None:
+def test_files_go_into_an_existing_directory_as_before(module_daemon, ckpt) -> None:
     (ckpt / "made-first").mkdir()
     (ckpt / "made-first" / "notes.txt").write_text("kept")
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.save(state(3), ckpt / "made-first").wait(60)
         with pytest.raises(CheckpointExists, match="never overwrites"):
             stager.save(state(4), ckpt / "made-first")
@@ -104,13 +104,13 @@ def test_files_go_into_an_existing_directory_as_before(daemon, ckpt) -> None:
     assert_same(load(ckpt / "made-first"), state(3))
 
 
-def test_a_spare_that_no_longer_fits_is_not_used(daemon, ckpt, tmp_path: Path) -> None:
+def test_a_spare_that_no_longer_fits_is_not_used(module_daemon, ckpt, tmp_path: Path) -> None:
     """The parent path now leads elsewhere (a symlink switched, as ``latest`` links are):
     the spare in the old directory is dropped, and the save goes where the path leads."""
     (tmp_path / "run-a").mkdir()
     (tmp_path / "run-b").mkdir()
     os.symlink(tmp_path / "run-a", ckpt / "run")
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.save(state(1), ckpt / "run" / "s1").wait(60)
         assert stager._spares.ready(30)
         (ckpt / "run").unlink()
@@ -123,8 +123,8 @@ def test_a_spare_that_no_longer_fits_is_not_used(daemon, ckpt, tmp_path: Path) -
     assert_same(load(tmp_path / "run-b" / "s2"), state(2))
 
 
-def test_missing_parents_are_made_and_a_failed_save_removes_them(daemon, ckpt) -> None:
-    with Stager(daemon.socket, slots=1, wait_for_slot=False) as stager:
+def test_missing_parents_are_made_and_a_failed_save_removes_them(module_daemon, ckpt) -> None:
+    with Stager(module_daemon.socket, slots=1, wait_for_slot=False) as stager:
         stager.save(state(1), ckpt / "a" / "b" / "c").wait(60)
         held = stager.stage(state(2))  # the only slot: the next save is refused
         with pytest.raises(SaveError):
@@ -143,17 +143,20 @@ def test_missing_parents_are_made_and_a_failed_save_removes_them(daemon, ckpt) -
     ],
 )
 def test_a_destination_that_is_not_a_directory_says_what_it_is(
-    daemon, ckpt, make, message: str
+    module_daemon, ckpt, make, message: str
 ) -> None:
     make(ckpt / "c")
-    with Stager(daemon.socket) as stager, pytest.raises(DestinationError, match=message) as info:
+    with (
+        Stager(module_daemon.socket) as stager,
+        pytest.raises(DestinationError, match=message) as info,
+    ):
         stager.save(state(1), ckpt / "c")
     assert "nothing was written" in str(info.value)
     assert sorted(os.listdir(ckpt)) == ["c"]
 
 
-def test_an_empty_path_is_a_clear_error(daemon) -> None:
-    with Stager(daemon.socket) as stager:
+def test_an_empty_path_is_a_clear_error(module_daemon) -> None:
+    with Stager(module_daemon.socket) as stager:
         with pytest.raises(DestinationError, match="the checkpoint path is empty"):
             stager.save(state(1), "")
         staged = stager.stage(state(1))
@@ -188,8 +191,8 @@ def test_a_final_name_that_appears_meanwhile_fails_the_save_and_is_left_alone(
             segment.unlink(name)
 
 
-def test_ls_does_not_take_a_pending_directory_for_a_checkpoint(daemon, ckpt) -> None:
-    with Stager(daemon.socket) as stager:
+def test_ls_does_not_take_a_pending_directory_for_a_checkpoint(module_daemon, ckpt) -> None:
+    with Stager(module_daemon.socket) as stager:
         stager.save(state(5), ckpt / "step-5", metadata={"step": 5}).wait(60)
         assert stager._spares.ready(30)
         assert len(pending(ckpt)) == 1
@@ -205,9 +208,9 @@ def test_ls_does_not_take_a_pending_directory_for_a_checkpoint(daemon, ckpt) -> 
 
 
 def test_close_waits_for_a_spare_still_being_made_and_removes_it(
-    daemon, ckpt, slow_filesystem: SlowFilesystem
+    module_daemon, ckpt, slow_filesystem: SlowFilesystem
 ) -> None:
-    stager = Stager(daemon.socket)
+    stager = Stager(module_daemon.socket)
     stager.save(state(1), ckpt / "s1").wait(60)
     started = time.monotonic()
     stager.close()  # the spare's mkdir and creates take 1.5 s in the background
@@ -215,13 +218,15 @@ def test_close_waits_for_a_spare_still_being_made_and_removes_it(
     assert sorted(os.listdir(ckpt)) == ["s1"]
 
 
-def test_a_trainer_that_exits_without_close_leaves_no_pending_directory(daemon, ckpt) -> None:
+def test_a_trainer_that_exits_without_close_leaves_no_pending_directory(
+    module_daemon, ckpt
+) -> None:
     """The README's one-liner saves and exits without close(): the spare made for its next
     save is removed at exit, not left as a hidden directory of two empty files."""
     script = (
         "import torch\n"
         "from shmstage_client import Stager\n"
-        f"Stager({str(daemon.socket)!r}).save({{'w': torch.ones(4)}}, {str(ckpt / 'c')!r})"
+        f"Stager({str(module_daemon.socket)!r}).save({{'w': torch.ones(4)}}, {str(ckpt / 'c')!r})"
         ".wait(60)\n"
     )
     run = subprocess.run(
@@ -240,7 +245,7 @@ def _shared(path: Path, mode: int, uid: int = 0) -> Path:
 
 
 def test_a_save_refuses_a_directory_another_user_could_change_and_says_the_fix(
-    daemon, ckpt
+    module_daemon, ckpt
 ) -> None:
     """Whoever may rename entries where a checkpoint lands can swap it for their own: a
     group root without the sticky bit (2770), a world-writable directory saved into, a
@@ -257,7 +262,7 @@ def test_a_save_refuses_a_directory_another_user_could_change_and_says_the_fix(
         (theirs, theirs / "step-1", "belongs to uid 65534", "directory of your own"),
         (loose, loose, "the existing directory saved into", "chmod +t"),
     ]
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         for directory, into, said, fix in cases:
             with pytest.raises(DestinationError) as refused:
                 stager.save(state(1), into)
