@@ -11,7 +11,6 @@ retained memory against the budget, the TTL and everyone's registrations by leas
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from harness import wait_for
@@ -212,10 +211,12 @@ def test_a_user_cannot_hold_retained_memory_past_its_limits_by_leasing_it(
             reply, fds = lease(s, conn, "{home}/c" + str(i))
             for fd in fds:
                 os.close(fd)
-            outcomes.add(reply.op if reply.op == "leased" else reply.body["code"])
+            outcome = reply.op if reply.op == "leased" else reply.body["code"]
+            outcomes.add(outcome)
             if i in kept:
                 kept[i].close()
             kept[i] = s
+            return outcome
         for i in range(5):
             stager = Stager("{daemon.socket}", slots=1)
             state = {{f"w{{i}}": torch.full((3 << 20,), float(i))}}
@@ -224,9 +225,9 @@ def test_a_user_cannot_hold_retained_memory_past_its_limits_by_leasing_it(
             stager.close(retain=True)
         say("HOARDED")
         end = time.monotonic() + 8
-        while time.monotonic() < end:  # re-lease before anything can run out
-            for i in range(5):
-                hold(i)
+        while time.monotonic() < end:  # re-lease before anything can run out, until all
+            if all([hold(i) == "not_retained" for i in range(5)]):  # are given back
+                break
             time.sleep(0.5)
         say("OUTCOMES", json.dumps(sorted(outcomes)))
         """,
@@ -245,14 +246,14 @@ def test_a_user_cannot_hold_retained_memory_past_its_limits_by_leasing_it(
             """,
         )
         assert "SAVED" in out  # shm_exhausted before: 60 of 64 MiB were leased
-        time.sleep(2 + 1 + 1.5)  # the ttl, the grace, a sweep
 
         def attackers() -> list[dict]:
             with ControlClient(daemon.socket) as control:
                 checkpoints = control.status()["memory"]["checkpoints"]
             return [c for c in checkpoints if c["uid"] == attacker.uid and c["retained"]]
 
-        wait_for(lambda: not attackers(), 5, "the attacker's retained layouts to go")
+        # Within the ttl, the grace and a sweep, re-leased all along; then some.
+        wait_for(lambda: not attackers(), 2 + 1 + 1.5 + 5, "the attacker's retained layouts to go")
         outcomes = json.loads(hoarder.wait_line("OUTCOMES", timeout=30).split(" ", 1)[1])
         assert "not_retained" in outcomes
     finally:
