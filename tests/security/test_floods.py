@@ -205,7 +205,7 @@ def test_connections_are_limited_per_user_and_idle_ones_dropped(
     """80 connections of one user: 64 admitted, the rest told which limit; one that never
     says hello is dropped within 10 s; the victim connects and saves meanwhile."""
     daemon = shared_daemon()
-    out = run_as(
+    flood = Actor(
         attacker,
         f"""
         held, refusals = [], []
@@ -230,10 +230,14 @@ def test_connections_are_limited_per_user_and_idle_ones_dropped(
         say("IDLE_DROPPED_AFTER", time.monotonic() - t)
         """,
     )
-    refused = int(out.split("REFUSED ")[1].split()[0])
-    assert refused == 80 - 64, out
+    try:
+        refused = int(flood.wait_line("REFUSED", 60).split()[1])
+        assert refused == 80 - 64, flood.lines
+        saved = save_as(victim, daemon.socket, f"{arena}/{victim.name}/c")  # while they linger
+        assert "SAVED" in saved
+        out = flood.finish(60)
+    finally:
+        flood.kill()
     dropped = float(out.split("IDLE_DROPPED_AFTER ")[1].split()[0])
     assert dropped < 15, out
     assert "no hello within 10 s" in daemon.log()
-    saved = save_as(victim, daemon.socket, f"{arena}/{victim.name}/c")
-    assert "SAVED" in saved
