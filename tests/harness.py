@@ -370,3 +370,70 @@ def skip_unless_installed(*packages: str) -> pytest.MarkDecorator:
 
     missing = [name for name in packages if importlib.util.find_spec(name) is None]
     return pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")
+
+
+#: What the server of ``ForkedScript`` imports once, before it forks each script.
+FORK_PRELOAD = ["torch", "torch.distributed.checkpoint", "safetensors", "shmstage_client"]
+
+
+def _run_script(script: str, args: Sequence[str], stdout: str, stderr: str) -> None:
+    """In the forked child: ``python SCRIPT ARGS...`` with its output in two files."""
+    import runpy
+
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+class ForkedScript:
+    """``python SCRIPT ARGS...`` as a new process forked from a server that imported torch
+    and the client once (multiprocessing's forkserver), for the tests that start many
+    trainers or ranks: each fresh interpreter spent 2-4 s of the machine's two cores
+    importing them. A real process all the same — its own pid, memory, descriptors and
+    connections — running the script as ``__main__``; like ``subprocess.Popen`` it has
+    ``communicate``, ``returncode``, ``poll``, ``wait`` and ``kill`` (text output, read
+    from files once it ended). Its environment is the test process's."""
+
+    def __init__(self, script: Path, *args: str, workdir: Path) -> None:
+        import multiprocessing
+        import tempfile
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(FORK_PRELOAD)
+        workdir.mkdir(parents=True, exist_ok=True)
+        fd, self._stdout = tempfile.mkstemp(prefix=f"{script.stem}.", suffix=".out", dir=workdir)
+        os.close(fd)
+        self._stderr = self._stdout[: -len(".out")] + ".err"
+        self.args = [str(script), *args]
+        self._proc = context.Process(
+            target=_run_script, args=(str(script), list(args), self._stdout, self._stderr)
+        )
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._proc.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return tuple(  # type: ignore[return-value]
+            Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+            for path in (self._stdout, self._stderr)
+        )
+
+    def kill(self) -> None:
+        self._proc.kill()

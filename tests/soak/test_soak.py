@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from harness import RunningDaemon, start_daemon, wait_for
+from harness import ForkedScript, RunningDaemon, start_daemon, wait_for
 from soak_worker import CHANGE_EVERY, STRUCTURES
 
 from shmstage import segment
@@ -35,16 +33,13 @@ WORKER = Path(__file__).with_name("soak_worker.py")
 
 
 def round_of(daemon: RunningDaemon, root: Path, saves: int) -> float:
-    """Run CLIENTS workers to completion; returns the wall time."""
+    """Run CLIENTS workers to completion (each a process of its own, forked from a server
+    that imported torch once: see ``ForkedScript``); returns the wall time."""
     root.mkdir()
     started = time.monotonic()
+    output = root.with_name(f"{root.name}-output")
     workers = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(daemon.socket), str(root), str(c), str(saves)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        ForkedScript(WORKER, str(daemon.socket), str(root), str(c), str(saves), workdir=output)
         for c in range(CLIENTS)
     ]
     for worker in workers:
