@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from client_helpers import CopyGate
-from harness import RunningDaemon, start_daemon
+from harness import ForkedScript, RunningDaemon, start_daemon
 from safetensors import safe_open
 from shmstage_client.dcp import (
     MARKER_NAME,
@@ -50,17 +50,15 @@ def run_ranks(
     daemons: list[RunningDaemon],
     during: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
-    """Run one process per rank; every rank must exit 0 within RUN_TIMEOUT."""
+    """Run one process per rank (forked from a server that imported torch once: see
+    ``ForkedScript``); every rank must exit 0 within RUN_TIMEOUT."""
     for stale in work.glob("result-*.json"):
         stale.unlink()
     sockets = ",".join(str(d.socket) for d in daemons)
     common = ["--world-size", str(world_size), "--work", str(work), "--sockets", sockets]
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, "--rank", str(rank), *common],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        ForkedScript(
+            WORKER, scenario, "--rank", str(rank), *common, workdir=work / f"output-{scenario}"
         )
         for rank in range(world_size)
     ]
@@ -268,7 +266,7 @@ def test_async_save_with_a_guard_copies_fsdp2_shards_behind_the_next_step(nodes)
 
 
 def test_a_guarded_writer_returns_a_staging_future_done_when_the_copy_lands(
-    daemon, ckpt
+    module_daemon, ckpt
 ) -> None:
     """``ShmStageWriter(guard=optimizer)``: async_save returns DCP's AsyncSaveResponse while
     the copy is still held (see CopyGate); the optimizer step right after it waits for the
@@ -286,7 +284,7 @@ def test_a_guarded_writer_returns_a_staging_future_done_when_the_copy_lands(
     step(0)
     state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"step": 1}}
     want = _clone(state)
-    writer = ShmStageWriter(socket=daemon.socket, guard=optimizer)
+    writer = ShmStageWriter(socket=module_daemon.socket, guard=optimizer)
     try:
         gate = CopyGate(writer._get_stager())
         response = dcp.async_save(
@@ -318,9 +316,11 @@ def _clone(state: Any) -> Any:
     return state
 
 
-def test_single_process_dcp_save_into_an_existing_checkpoint_is_refused(daemon, ckpt) -> None:
+def test_single_process_dcp_save_into_an_existing_checkpoint_is_refused(
+    module_daemon, ckpt
+) -> None:
     state = {"w": torch.arange(6.0).view(2, 3), "meta": {"epoch": 3}}
-    writer = ShmStageWriter(ckpt / "c", socket=daemon.socket)
+    writer = ShmStageWriter(ckpt / "c", socket=module_daemon.socket)
     try:
         dcp.save(state, storage_writer=writer, no_dist=True)
         before = sorted(os.listdir(ckpt / "c"))
@@ -335,7 +335,7 @@ def test_single_process_dcp_save_into_an_existing_checkpoint_is_refused(daemon, 
 
 
 def test_a_save_started_before_the_previous_one_committed_fails_that_one_cleanly(
-    daemon, ckpt
+    module_daemon, ckpt
 ) -> None:
     held = threading.Event()
 
@@ -344,7 +344,7 @@ def test_a_save_started_before_the_previous_one_committed_fails_that_one_cleanly
             assert held.wait(30)
             return super().create_global_plan(all_plans)
 
-    writer = ShmStageWriter(socket=daemon.socket)
+    writer = ShmStageWriter(socket=module_daemon.socket)
     first = dcp.async_save(
         {"w": torch.ones(4)},
         checkpoint_id=ckpt / "first",
