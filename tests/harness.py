@@ -7,13 +7,16 @@ import ctypes
 import importlib.util
 import json
 import mmap
+import multiprocessing
+import multiprocessing.context
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -376,6 +379,23 @@ def skip_unless_installed(*packages: str) -> pytest.MarkDecorator:
 FORK_PRELOAD = ["torch", "torch.distributed.checkpoint", "safetensors", "shmstage_client"]
 
 
+@contextlib.contextmanager
+def own_fork_server(preload: Sequence[str]) -> Iterator[multiprocessing.context.ForkServerContext]:
+    """Multiprocessing's forkserver context, its server importing ``preload``. A process
+    has one server, started with the preload set when it was first used and kept until the
+    process ends: one left by another test module would import what that module wanted,
+    so the server is stopped before (and after) — the next user starts its own."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))
+    try:
+        yield context
+    finally:
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]
+
+
 def _run_script(script: str, args: Sequence[str], stdout: str, stderr: str) -> None:
     """In the forked child: ``python SCRIPT ARGS...`` with its output in two files."""
     import runpy
@@ -399,11 +419,8 @@ class ForkedScript:
     from files once it ended). Its environment is the test process's."""
 
     def __init__(self, script: Path, *args: str, workdir: Path) -> None:
-        import multiprocessing
-        import tempfile
-
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(FORK_PRELOAD)
+        context.set_forkserver_preload(FORK_PRELOAD)  # unless a server runs: own_fork_server
         workdir.mkdir(parents=True, exist_ok=True)
         fd, self._stdout = tempfile.mkstemp(prefix=f"{script.stem}.", suffix=".out", dir=workdir)
         os.close(fd)

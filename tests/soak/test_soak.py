@@ -17,9 +17,18 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from harness import ForkedScript, RunningDaemon, start_daemon, wait_for
+import pytest
+from harness import (
+    FORK_PRELOAD,
+    ForkedScript,
+    RunningDaemon,
+    own_fork_server,
+    start_daemon,
+    wait_for,
+)
 from soak_worker import CHANGE_EVERY, STRUCTURES
 
 from shmstage import segment
@@ -30,6 +39,13 @@ SAVES = int(os.environ.get("SHMSTAGE_SOAK_SAVES", "20"))
 #: each one's layouts.
 WARMUP_SAVES = STRUCTURES * CHANGE_EVERY
 WORKER = Path(__file__).with_name("soak_worker.py")
+
+
+@pytest.fixture(autouse=True)
+def fork_server() -> Iterator[None]:
+    """The server the trainers are forked from (``ForkedScript``), importing torch once."""
+    with own_fork_server(FORK_PRELOAD):
+        yield
 
 
 def round_of(daemon: RunningDaemon, root: Path, saves: int) -> float:

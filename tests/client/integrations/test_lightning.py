@@ -20,12 +20,13 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import RunningDaemon, start_daemon
+from harness import RunningDaemon, own_fork_server, start_daemon
 
 from shmstage.checkpoint import CheckpointError
 from shmstage.manifest import MANIFEST_NAME
@@ -35,14 +36,13 @@ STEPS = 14
 
 
 @pytest.fixture(scope="module")
-def forks() -> multiprocessing.context.ForkServerContext:
+def forks() -> Iterator[multiprocessing.context.ForkServerContext]:
     sys.path.insert(0, str(HERE))
-    context = multiprocessing.get_context("forkserver")
     # Python 3.11's forkserver ignores sys.path for its preload: preload what an installed
     # package reaches (the tiny lightning_run is imported by each child, from HERE).
     preload = ["lightning.pytorch", "torch.distributed.checkpoint"]
-    context.set_forkserver_preload([*preload, "shmstage_client.integrations.lightning"])
-    return context
+    with own_fork_server([*preload, "shmstage_client.integrations.lightning"]) as context:
+        yield context
 
 
 def run(context: Any, workdir: Path, *args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:

@@ -8,14 +8,14 @@ Runs are real processes forked from a forkserver that imported transformers and 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import RunningDaemon, skip_unless_installed, start_daemon
+from harness import RunningDaemon, own_fork_server, skip_unless_installed, start_daemon
 
 pytestmark = skip_unless_installed("transformers", "trl")
 
@@ -37,13 +37,12 @@ PRELOAD = [
 
 
 @pytest.fixture(scope="module")
-def forks() -> Any:
+def forks() -> Iterator[Any]:
     import sys
 
     sys.path.insert(0, str(HERE))
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
+    with own_fork_server(PRELOAD) as context:
+        yield context
 
 
 def start(context: Any, workdir: Path, socket: Path, **kwargs: Any) -> Any:
