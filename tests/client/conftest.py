@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from client_helpers import SlowFilesystem
-from harness import RunningDaemon, start_daemon
+from harness import FORK_PRELOAD, RunningDaemon, own_fork_server, start_daemon
 from shmstage_client.save import destination
 
 
@@ -23,6 +23,13 @@ def module_daemon(
     running = start_daemon(tmp_path_factory.mktemp(f"{request.module.__name__}-daemon"))
     yield running
     running.discard()
+
+
+@pytest.fixture(scope="module")
+def fork_server() -> Iterator[None]:
+    """The server that ``ForkedScript``'s processes are forked from, importing torch once."""
+    with own_fork_server(FORK_PRELOAD):
+        yield
 
 
 @pytest.fixture

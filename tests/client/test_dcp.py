@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from client_helpers import CopyGate
-from harness import FORK_PRELOAD, ForkedScript, RunningDaemon, own_fork_server, start_daemon
+from harness import ForkedScript, RunningDaemon, start_daemon
 from safetensors import safe_open
 from shmstage_client.dcp import (
     MARKER_NAME,
@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shmstage import datafile, segment
+
+pytestmark = pytest.mark.usefixtures("fork_server")  # the ranks are ForkedScripts
 
 WORKER = Path(__file__).with_name("dcp_ranks.py")
 RUN_TIMEOUT = 150.0
@@ -87,13 +89,6 @@ def stop(daemons: list[RunningDaemon]) -> None:
             running.proc.wait(10)
         for name in segment.list_names(running.instance):
             segment.unlink(name)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fork_server() -> Iterator[None]:
-    """The server the ranks are forked from (``ForkedScript``), importing torch once."""
-    with own_fork_server(FORK_PRELOAD):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_same, clone, start_daemon, wait_for
+from harness import ForkedScript, assert_same, clone, start_daemon, wait_for
 from safetensors import safe_open
 from shmstage_client import (
     CheckpointExists,
@@ -170,7 +170,7 @@ def test_structure_changes_register_new_layouts(daemon, ckpt: Path) -> None:
         assert len(daemon.segments()) == 2
 
 
-def test_two_clients_at_once_each_get_their_own_layouts(daemon, ckpt: Path) -> None:
+def test_two_clients_at_once_each_get_their_own_layouts(daemon, ckpt: Path, fork_server) -> None:
     code = """
 import sys, torch
 from shmstage_client import Stager
@@ -182,8 +182,10 @@ with Stager(sock, slots=2) as st:
         torch.save(state, f"{out}/expect-{seed}-{i}.pt")
         st.save(state, f"{out}/c-{seed}-{i}")
 """
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(daemon.socket), str(ckpt), str(seed)])
+    script = ckpt.parent / "client.py"
+    script.write_text(code)
+    procs = [  # processes of their own, forked from a server that imported torch once
+        ForkedScript(script, str(daemon.socket), str(ckpt), str(seed), workdir=ckpt.parent)
         for seed in (1, 2)
     ]
     assert [p.wait(120) for p in procs] == [0, 0]
@@ -321,7 +323,7 @@ def test_verify_cli_accepts_a_sound_checkpoint(module_daemon, ckpt: Path) -> Non
 
 
 def test_a_stager_that_vanishes_leaves_its_checkpoint_in_memory_until_the_ttl(
-    tmp_path: Path, ckpt: Path
+    tmp_path: Path, ckpt: Path, fork_server
 ) -> None:
     code = """
 import os, sys, torch
@@ -334,14 +336,13 @@ os._exit(0)  # no close(), no release: as if the trainer crashed
     # The TTL only has to outlast the verify and the load below (well under a second),
     # which begin as soon as the crashed trainer has exited.
     daemon = start_daemon(tmp_path / "d", "--retain-ttl", "3")
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert "saved" in out.stdout, out.stderr
+    script = tmp_path / "trainer.py"
+    script.write_text(code)
+    try:  # a process of its own, forked from a server that imported torch once
+        stdout, stderr = ForkedScript(
+            script, str(daemon.socket), str(ckpt / "c"), workdir=tmp_path
+        ).communicate(timeout=120)
+        assert "saved" in stdout, stderr
         assert checkpoint.verify(ckpt / "c") == []
         restored = load(ckpt / "c", with_info=True, socket=daemon.socket)
         assert restored.source == "memory"  # retained for a restart...
