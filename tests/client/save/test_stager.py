@@ -374,7 +374,7 @@ def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
 
 
 def test_many_segments_register_under_a_small_descriptor_limit(
-    module_daemon, ckpt: Path
+    module_daemon, ckpt: Path, fork_server
 ) -> None:
     """Brief bug 7: 1,200 segments arrive in batches of 253, are closed once mapped, and
     the mappings hold no descriptor: RLIMIT_NOFILE 640 suffices for 600 tensors x 2 slots."""
@@ -382,7 +382,7 @@ def test_many_segments_register_under_a_small_descriptor_limit(
 
 
 def test_each_batch_of_descriptors_fits_what_the_client_can_take(
-    module_daemon, ckpt: Path
+    module_daemon, ckpt: Path, fork_server
 ) -> None:
     """With ``ulimit -n 256`` a state dict of 125 or more tensors (x 2 slots) could not be
     saved: the daemon sent 253 descriptors per message, more than the trainer had free,
@@ -406,17 +406,21 @@ back = load(sys.argv[2])
 assert all(torch.equal(back[k], v) for k, v in state.items())
 print("ok")
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(daemon.socket), str(ckpt / "c")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    stdout, stderr = _trainer(code, daemon, ckpt)
+    assert stdout.strip() == "ok", stderr[-2000:]
+
+
+def _trainer(code: str, daemon, ckpt: Path) -> tuple[str, str]:
+    """``code`` run as a trainer of its own (``python trainer.py SOCKET CKPT/c``), forked
+    from a server that imported torch once; its output."""
+    script = ckpt.parent / "trainer.py"
+    script.write_text(code)
+    forked = ForkedScript(script, str(daemon.socket), str(ckpt / "c"), workdir=ckpt.parent)
+    return forked.communicate(timeout=180)
 
 
 def test_a_descriptor_limit_too_low_to_work_names_the_limit_to_raise(
-    module_daemon, ckpt: Path
+    module_daemon, ckpt: Path, fork_server
 ) -> None:
     code = """
 import os, resource, sys, torch
@@ -429,14 +433,9 @@ try:
 except SaveError as exc:
     print("REFUSED", exc)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(module_daemon.socket), str(ckpt / "c")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.stdout.startswith("REFUSED"), out.stderr[-2000:]
-    assert "RLIMIT_NOFILE is" in out.stdout and "raise the limit to at least" in out.stdout
+    stdout, stderr = _trainer(code, module_daemon, ckpt)
+    assert stdout.startswith("REFUSED"), stderr[-2000:]
+    assert "RLIMIT_NOFILE is" in stdout and "raise the limit to at least" in stdout
     assert not (ckpt / "c").exists()
 
 
