@@ -355,7 +355,8 @@ os._exit(0)  # no close(), no release: as if the trainer crashed
 def test_daemon_shutdown_unlinks_everything(daemon, ckpt: Path) -> None:
     stager = Stager(daemon.socket, slots=2)
     stager.save({"w": torch.randn(4096)}, ckpt / "c").wait(60)
-    assert len(daemon.segments()) == 2
+    # the second slot arrives in the background after the first save (see below)
+    wait_for(lambda: len(daemon.segments()) == 2, 30, "both slots' segments")
     assert daemon.stop() == 0
     assert daemon.segments() == []
     assert not daemon.socket.exists()
