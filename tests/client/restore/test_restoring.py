@@ -54,12 +54,12 @@ def restored(path: Path, daemon, **kwargs: object):
 
 
 def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
-    daemon, ckpt: Path
+    module_daemon, ckpt: Path
 ) -> None:
-    with Stager(daemon.socket, slots=2) as stager:
+    with Stager(module_daemon.socket, slots=2) as stager:
         for seed in (1, 2):
             stager.save(state(seed), ckpt / f"c{seed}").wait(60)
-        first = restored(ckpt / "c1", daemon)
+        first = restored(ckpt / "c1", module_daemon)
         assert (first.source, first.verified, first.durable) == ("memory", True, True)
         assert first.path == ckpt / "c1" and first.reason == "" and first.job is not None
         assert first.bytes == sum(t.nbytes for t in _tensors(state(1)))
@@ -67,12 +67,12 @@ def test_load_reads_memory_exactly_while_the_daemon_holds_that_checkpoint(
         assert 0 < sum(first.phases.values()) <= first.seconds
         assert_same(first.state, state(1))
         stager.save(state(3), ckpt / "c3").wait(60)  # refills c1's slot: the oldest
-        gone = restored(ckpt / "c1", daemon)
+        gone = restored(ckpt / "c1", module_daemon)
         assert gone.source == "files" and "does not hold this checkpoint" in gone.reason
         assert_same(gone.state, state(1))
-        assert restored(ckpt / "c2", daemon).source == "memory"
-        assert restored(ckpt / "c2", daemon, source="files").source == "files"
-        assert_same(load(ckpt / "c3", socket=daemon.socket), state(3))
+        assert restored(ckpt / "c2", module_daemon).source == "memory"
+        assert restored(ckpt / "c2", module_daemon, source="files").source == "files"
+        assert_same(load(ckpt / "c3", socket=module_daemon.socket), state(3))
 
 
 def test_many_small_tensors_share_segments_and_come_back_exactly(daemon, ckpt: Path) -> None:
@@ -142,7 +142,7 @@ def test_restores_hold_off_the_garbage_collector_and_leave_it_as_the_caller_set_
 
 
 def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free(
-    daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch, read_passes: str
+    module_daemon, ckpt: Path, monkeypatch: pytest.MonkeyPatch, read_passes: str
 ) -> None:
     """A restore keeps the leased segments' descriptors and reads through them when the
     process has room for them; with a low RLIMIT_NOFILE it maps them instead. Either way
@@ -159,16 +159,16 @@ def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free
         return got
 
     monkeypatch.setattr(lease_module.MemoryLease, "take", classmethod(spying))
-    with Stager(daemon.socket) as stager:
+    with Stager(module_daemon.socket) as stager:
         stager.save(many, ckpt / "many").wait(60)
         assert stager._layouts.current is not None and stager._layouts.current.growth is not None
         stager._layouts.current.growth.result(60)  # its second slot's descriptors come and go first
         before = len(os.listdir("/proc/self/fd"))
-        through_fds = restored(ckpt / "many", daemon)
+        through_fds = restored(ckpt / "many", module_daemon)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (before + 200, hard))
         try:
-            mapped = restored(ckpt / "many", daemon)
+            mapped = restored(ckpt / "many", module_daemon)
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert len(os.listdir("/proc/self/fd")) <= before
@@ -179,9 +179,9 @@ def test_memory_is_read_through_kept_descriptors_or_mapped_when_too_few_are_free
 
 
 def test_a_changed_manifest_or_data_file_is_not_the_checkpoint_in_memory(
-    daemon, ckpt: Path
+    module_daemon, ckpt: Path
 ) -> None:
-    with Stager(daemon.socket, slots=2) as stager:
+    with Stager(module_daemon.socket, slots=2) as stager:
         stager.save(state(1), ckpt / "m").wait(60)
         stager.save(state(2), ckpt / "d").wait(60)
         manifest = ckpt / "m" / MANIFEST_NAME
@@ -190,13 +190,13 @@ def test_a_changed_manifest_or_data_file_is_not_the_checkpoint_in_memory(
         shutil.copyfile(data, ckpt / "copy")
         os.replace(ckpt / "copy", data)  # same bytes, another file
         for name, seed in (("m", 1), ("d", 2)):
-            result = restored(ckpt / name, daemon)
+            result = restored(ckpt / name, module_daemon)
             assert result.source == "files", name
             assert_same(result.state, state(seed))
 
 
-def test_without_a_daemon_load_reads_the_files_and_says_why(daemon, ckpt: Path) -> None:
-    with Stager(daemon.socket) as stager:
+def test_without_a_daemon_load_reads_the_files_and_says_why(module_daemon, ckpt: Path) -> None:
+    with Stager(module_daemon.socket) as stager:
         stager.save(state(4), ckpt / "c").wait(60)
     nowhere = ckpt.parent / "no-daemon.sock"
     result = load(ckpt / "c", with_info=True, socket=nowhere)
@@ -211,15 +211,15 @@ def test_without_a_daemon_load_reads_the_files_and_says_why(daemon, ckpt: Path) 
     assert_same(plain.state, state(4))
 
 
-def test_a_corrupt_file_still_raises_naming_key_and_file(daemon, ckpt: Path) -> None:
-    with Stager(daemon.socket) as stager:
+def test_a_corrupt_file_still_raises_naming_key_and_file(module_daemon, ckpt: Path) -> None:
+    with Stager(module_daemon.socket) as stager:
         stager.save(state(5), ckpt / "c").wait(60)
     data = ckpt / "c" / "model.safetensors"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0x01  # inside the last tensor of the file
     data.write_bytes(bytes(raw))
     with pytest.raises(ChecksumError, match=r"tensor 'nested\.0' in .*model\.safetensors"):
-        load(ckpt / "c", socket=daemon.socket)
+        load(ckpt / "c", socket=module_daemon.socket)
 
 
 # -- latest -----------------------------------------------------------------------------
@@ -361,21 +361,21 @@ def test_a_short_descriptor_table_restores_from_memory_batch_by_batch(
 
 
 def test_the_dcp_reader_serves_a_rank_file_from_memory_and_falls_back_per_rank(
-    daemon, ckpt: Path
+    module_daemon, ckpt: Path
 ) -> None:
     saved = {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
-    writer = ShmStageWriter(ckpt / "c", socket=daemon.socket)
+    writer = ShmStageWriter(ckpt / "c", socket=module_daemon.socket)
     try:
         dcp.save(saved, storage_writer=writer, no_dist=True)
         target = {k: torch.zeros_like(v) for k, v in saved.items()}
-        reader = ShmStageReader(ckpt / "c", socket=daemon.socket)
+        reader = ShmStageReader(ckpt / "c", socket=module_daemon.socket)
         dcp.load(target, storage_reader=reader, no_dist=True)
         assert reader.sources == {0: "memory"}
         assert_same(target, saved)
     finally:
         writer.close()  # released: nothing is kept
     target = {k: torch.zeros_like(v) for k, v in saved.items()}
-    reader = ShmStageReader(ckpt / "c", socket=daemon.socket)
+    reader = ShmStageReader(ckpt / "c", socket=module_daemon.socket)
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert reader.sources == {0: "files"}
     assert_same(target, saved)
