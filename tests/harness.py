@@ -398,7 +398,9 @@ def own_fork_server(preload: Sequence[str]) -> Iterator[multiprocessing.context.
 
 def _run_script(script: str, args: Sequence[str], stdout: str, stderr: str) -> None:
     """In the forked child: ``python SCRIPT ARGS...`` with its output in two files."""
+    import atexit
     import runpy
+    import threading
 
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -406,7 +408,11 @@ def _run_script(script: str, args: Sequence[str], stdout: str, stderr: str) -> N
         os.close(target)
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:  # what an interpreter does at its end, and multiprocessing's os._exit does not
+        threading._shutdown()  # type: ignore[attr-defined]  # waits for non-daemon threads
+        atexit._run_exitfuncs()
 
 
 class ForkedScript:
@@ -414,9 +420,12 @@ class ForkedScript:
     and the client once (multiprocessing's forkserver), for the tests that start many
     trainers or ranks: each fresh interpreter spent 2-4 s of the machine's two cores
     importing them. A real process all the same — its own pid, memory, descriptors and
-    connections — running the script as ``__main__``; like ``subprocess.Popen`` it has
-    ``communicate``, ``returncode``, ``poll``, ``wait`` and ``kill`` (text output, read
-    from files once it ended). Its environment is the test process's."""
+    connections — running the script as ``__main__``, and at its end waiting for its
+    threads and running its atexit handlers as an interpreter would (not tearing its modules
+    down: a test of what an interpreter's exit does starts a real one). Like
+    ``subprocess.Popen`` it has ``communicate``, ``returncode``, ``poll``, ``wait`` and
+    ``kill`` (text output, read from files once it ended). Its environment is the test
+    process's."""
 
     def __init__(self, script: Path, *args: str, workdir: Path) -> None:
         context = multiprocessing.get_context("forkserver")
