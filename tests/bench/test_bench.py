@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -665,11 +666,14 @@ def test_a_part_stopped_by_the_bench_s_budget_is_not_called_hung(
         budget=6.0, dir=str(tmp_path), socket=None, attach=False, quiet=True, start_method=None
     )
     bench = session_module.BenchSession(args)
-    outcome = bench.run("sleeper", time.sleep, (60,), timeout=120)
+    hung = session_module.BenchSession(argparse.Namespace(**{**vars(args), "budget": None}))
+    with ThreadPoolExecutor(2) as both:  # each waits out its deadline: at the same time
+        budgeted = both.submit(bench.run, "sleeper", time.sleep, (60,), timeout=120)
+        unbudgeted = both.submit(hung.run, "sleeper", time.sleep, (60,), timeout=1)
+    outcome = budgeted.result()
     assert "--budget of 6 s ran out (its own deadline: 120 s)" in outcome.error, outcome.error
     assert "hung" not in outcome.error
-    hung = session_module.BenchSession(argparse.Namespace(**{**vars(args), "budget": None}))
-    assert "hung (killed)" in hung.run("sleeper", time.sleep, (60,), timeout=1).error
+    assert "hung (killed)" in unbudgeted.result().error
 
 
 def test_overlapped_scenario_reports_each_save_and_backpressure_apart(

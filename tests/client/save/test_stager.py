@@ -443,7 +443,7 @@ except SaveError as exc:
 def test_a_large_layout_is_created_on_several_threads_and_saved_exactly(daemon, ckpt: Path) -> None:
     """Above segment.PARALLEL_MIN_BYTES per thread the daemon reserves segments on several
     threads (and a CUDA client pins them so): every segment still lands in its place."""
-    count = 160 << 20  # int8 elements: 2 tensors x 2 slots = 640 MiB, 2+ setup groups
+    count = 128 << 20  # int8 elements: 2 tensors x 2 slots = 512 MiB, 2+ setup groups
     state = {
         "a": torch.arange(count, dtype=torch.int32).to(torch.int8),
         "b": torch.arange(count, dtype=torch.int32).mul_(7).to(torch.int8),
