@@ -425,7 +425,7 @@ class ForkedScript:
     down: a test of what an interpreter's exit does starts a real one). Like
     ``subprocess.Popen`` it has ``communicate``, ``returncode``, ``poll``, ``wait`` and
     ``kill`` (text output, read from files once it ended). Its environment is the test
-    process's."""
+    process's when the server started (``own_fork_server``)."""
 
     def __init__(self, script: Path, *args: str, workdir: Path) -> None:
         context = multiprocessing.get_context("forkserver")
