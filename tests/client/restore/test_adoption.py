@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import RawClient, assert_same, wait_for
+from harness import RawClient, RunningDaemon, assert_same, wait_for
 from shmstage_client import Stager, handoff, latest, load, pinning, prepare_restore
 from shmstage_client.restore import adoption
 
@@ -62,10 +62,11 @@ def killed_trainer(daemon, ckpt: Path, *seeds: int) -> None:
     wait_for(lambda: status(daemon)["retained_layouts"] == 1, 10, "the layout retained")
 
 
-def mapped_segments() -> list[str]:
-    """The daemon's segments this process maps now."""
+def mapped_segments(daemon: RunningDaemon) -> list[str]:
+    """This daemon's segments that this process maps now (not another test's daemon's,
+    whose objects in this worker process may not be collected yet)."""
     maps = Path("/proc/self/maps").read_text().splitlines()
-    return [line for line in maps if "/dev/shm/shmstage." in line]
+    return [line for line in maps if f"/dev/shm/shmstage.{daemon.instance}." in line]
 
 
 def test_a_prepared_restart_restores_from_its_adopted_layout_and_its_first_save_creates_nothing(
@@ -101,7 +102,7 @@ def test_a_prepare_whose_restore_never_comes_gives_the_layout_back_after_keep(
     daemon.wait_log("segments adopted from a retained layout")
     assert status(daemon)["retained_layouts"] == 0  # this process owns it now
     wait_for(lambda: status(daemon)["retained_layouts"] == 1, 15, "the layout retained again")
-    wait_for(lambda: not mapped_segments(), 5, "the adopted slots unmapped")
+    wait_for(lambda: not mapped_segments(daemon), 15, "the adopted slots unmapped")
     assert adoption.take(daemon.socket) is None  # nothing left for a restore to take
     restored = latest(socket=daemon.socket)  # as if nothing had been prepared
     assert restored.source == "memory" and "adopt" not in restored.phases
