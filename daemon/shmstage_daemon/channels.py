@@ -145,6 +145,19 @@ class Assembly:
     timer: Timer | None = None
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A sharded step given up before every part arrived, and why (for the daemon's log:
+    the ranks that published a part see only ``complete`` staying False)."""
+
+    uid: int
+    channel: str
+    step: int
+    arrived: tuple[int, ...]
+    count: int
+    why: str
+
+
 @dataclass(eq=False)
 class Subscription:
     """A connection following a channel; ``notify`` is told each new newest step."""
@@ -207,6 +220,7 @@ class Channels:
         publish_groups: Callable[[], frozenset[int]],
         on_free: Callable[[StagedLayout, Slot], None],
         schedule: Schedule = call_later,
+        on_dropped: Callable[[Dropped], None] = lambda dropped: None,
     ) -> None:
         self._store = store
         #: Read at each use: a reload may change them.
@@ -214,6 +228,8 @@ class Channels:
         self._publish_groups = publish_groups
         #: The last pin on a slot ended: a waiting fill may take it, a released layout go.
         self._on_free = on_free
+        #: A sharded step was dropped unfinished: the shell logs it (this module does no I/O).
+        self._on_dropped = on_dropped
         self._schedule = schedule
         self.channels: dict[tuple[int, str], Channel] = {}
         self.by_id: dict[int, Channel] = {}
@@ -305,7 +321,9 @@ class Channels:
                 )
             assembly = Assembly(step, count, frozenset(share))
             channel.assembling[step] = assembly
-            assembly.timer = self._schedule(within, lambda: self._abandon(channel, step))
+            assembly.timer = self._schedule(
+                within, lambda: self._abandon(channel, step, f"its {within:g} s ran out")
+            )
         elif assembly.count != count:
             raise StoreError(
                 ErrorCode.BAD_REQUEST,
@@ -426,7 +444,7 @@ class Channels:
         channel.shared = share
         channel.ring = None if version.parts else version.staged
         for step in [step for step in channel.assembling if step < version.step]:
-            self._abandon(channel, step)
+            self._abandon(channel, step, f"step {version.step} became visible first")
         told = [s for s in channel.subscribers.values() if self.may_read(s.peer, channel)]
         for other in [c for c in self.channels.values() if c.uid == channel.uid]:
             if other is not channel:
@@ -454,11 +472,15 @@ class Channels:
         if assembly.timer is not None:
             assembly.timer.cancel()
 
-    def _abandon(self, channel: Channel, step: int) -> None:
+    def _abandon(self, channel: Channel, step: int, why: str) -> None:
         """Drop step ``step``'s unfinished parts, handing their slots back (see *Parts*)."""
         assembly = channel.assembling.get(step)
         if assembly is None:
             return
+        arrived = tuple(sorted(assembly.parts))
+        self._on_dropped(
+            Dropped(channel.uid, channel.name, step, arrived, assembly.count, why)
+        )
         self._forget_assembly(channel, assembly)
         self._give_back(assembly.parts.values())
         self._prune(channel)
@@ -707,7 +729,7 @@ class Channels:
                 if gone - assembly.parts.keys() or any(
                     part.session == session for part in assembly.parts.values()
                 ):
-                    self._abandon(channel, step)
+                    self._abandon(channel, step, "a publishing rank's connection ended")
             if channel.subscribers.pop(session, None) is not None:
                 self._prune(channel)
 

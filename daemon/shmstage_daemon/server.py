@@ -33,7 +33,7 @@ from shmstage import descriptors, instance, segment
 from shmstage.protocol import ErrorCode
 from shmstage_daemon import __version__, faults, inflight, journal, retention, scheduler
 from shmstage_daemon.admission import Peer
-from shmstage_daemon.channels import Channels
+from shmstage_daemon.channels import Channels, Dropped
 from shmstage_daemon.commits import Commits
 from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.jobs import Jobs
@@ -94,6 +94,7 @@ class Daemon:
             lambda: self.retention.policy,
             lambda: self.settings.publish_gids,
             self._lease_ended,
+            on_dropped=_log_dropped,
         )
         self.versionsums = VersionSums(self.channels)
         self.listener = Listener(settings, self._open_session, self.track)
@@ -525,3 +526,16 @@ def _raise_fd_limit() -> None:
     # Grown now, while no thread shares the table: growing it later, under load, makes
     # every thread that opens a descriptor wait out an RCU grace period (``descriptors``).
     descriptors.reserve(RESERVED_FDS)
+
+
+def _log_dropped(dropped: Dropped) -> None:
+    log.warning(
+        "uid %d: step %d of sharded channel %r dropped with parts %s of %d: %s; "
+        "its slots are handed back",
+        dropped.uid,
+        dropped.step,
+        dropped.channel,
+        ", ".join(map(str, dropped.arrived)) or "none",
+        dropped.count,
+        dropped.why,
+    )

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 from shmstage_daemon.admission import Peer
-from shmstage_daemon.channels import Channels, Version
+from shmstage_daemon.channels import Channels, Dropped, Version
 from shmstage_daemon.retention import RetentionPolicy
 from shmstage_daemon.slot import Slot, SlotState
 from shmstage_daemon.store import Limits, Store, StoreError
@@ -63,12 +63,14 @@ class World:
         self.policy = RetentionPolicy(max_leases=2, lease_seconds=60, max_lease_seconds=600)
         self.freed: list[Slot] = []
         self.timers = Timers()
+        self.dropped: list[Dropped] = []
         self.channels = Channels(
             self.store,
             lambda: self.policy,
             lambda: publish_groups,
             lambda staged, slot: self.freed.append(slot),
             self.timers.schedule,
+            on_dropped=self.dropped.append,
         )
         self.subscribed: list[int] = []
 
@@ -343,6 +345,10 @@ def test_a_part_of_a_step_whose_publisher_connection_ended_is_dropped_and_its_sl
     assert version is None and slot1.state is SlotState.FILLING
     ranks.timers.fire_all()  # and is dropped once its time ran out
     assert slot1.state is SlotState.FREE and ranks.channels.newest(channel) is None
+    assert ranks.dropped == [  # each drop is told, with why, for the daemon's log
+        Dropped(UID, "policy", 1, (0,), 2, "a publishing rank's connection ended"),
+        Dropped(UID, "policy", 1, (1,), 2, "its 60 s ran out"),
+    ]
 
 
 def test_an_unfinished_step_is_dropped_once_a_newer_one_is_visible_and_steps_only_grow() -> None:
@@ -353,6 +359,7 @@ def test_an_unfinished_step_is_dropped_once_a_newer_one_is_visible_and_steps_onl
     version, _slot = ranks.part(1, 2)
     assert version is not None and version.step == 2
     assert stale.state is SlotState.FREE and list(channel.assembling) == []
+    assert ranks.dropped == [Dropped(UID, "policy", 1, (0,), 2, "step 2 became visible first")]
     with pytest.raises(StoreError, match="step 1 of channel 'policy' is not newer than its step 2"):
         ranks.part(1, 1)
 

@@ -238,6 +238,10 @@ def test_two_fsdp2_ranks_publish_one_version_per_step_seen_whole_only_once_every
                 ranks[1].wait(TIMEOUT)
                 (tmp_path / "go-5").touch()
                 wait_file(tmp_path / "r0-5")
+                daemon.wait_log(  # the operator sees why step 4 never came
+                    f"step 4 of sharded channel {CHANNEL!r} dropped with parts 0 of 2: "
+                    "a publishing rank's connection ended"
+                )
                 with pytest.raises(NoNewVersion):
                     subscriber.wait(newer_than=3, timeout=1.0).close()
             assert "not newer than its step 3" in (tmp_path / "lower-step").read_text()
