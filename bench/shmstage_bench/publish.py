@@ -88,6 +88,18 @@ def raw_copies(state: dict[str, torch.Tensor], device: torch.device) -> tuple[fl
 # -- the reader process -------------------------------------------------------------
 
 
+def _timed_read(subscriber: Any, step: int, device: torch.device) -> tuple[dict[str, float], Any]:
+    """Wait for step ``step`` and read it onto ``device``: the seconds until it was pinned
+    (the wake-up), of the copy, and in all; and the state read (kept by the caller)."""
+    started = time.perf_counter()
+    with subscriber.wait(newer_than=step - 1, timeout=120) as version:
+        woken = time.perf_counter()
+        state = version.state(device)
+        _sync(device)
+    done = time.perf_counter()
+    return {"pin": woken - started, "copy": done - woken, "total": done - started}, state
+
+
 def reader(socket: str, device_name: str, pipe: Any) -> None:
     """Follows "bench" (the big state) and "ping" (a tiny one), as the parent asks."""
     from shmstage_client import subscribe
@@ -104,29 +116,16 @@ def reader(socket: str, device_name: str, pipe: Any) -> None:
     while True:
         order = pipe.recv()
         if order[0] == "version":  # the parent published step order[1] of "bench"
-            step = order[1]
-            started = time.perf_counter()
-            with big.wait(newer_than=step - 1, timeout=120) as version:
-                woken = time.perf_counter()
-                held = None
-                held = version.state(device)
-                _sync(device)
-            done = time.perf_counter()
-            pipe.send({"pin": woken - started, "copy": done - woken, "total": done - started})
+            held = None  # the last version read goes first
+            timing, held = _timed_read(big, order[1], device)
+            pipe.send(timing)
         elif order[0] == "prepare":  # the parent offered "bench"'s ring, published nothing
             started = time.perf_counter()
             slots = early.prepare(device, timeout=120, block=True)
             pipe.send({"prepare": time.perf_counter() - started, "slots": slots})
         elif order[0] == "early":  # read step order[1] with the prepared subscriber, once
-            started = time.perf_counter()
-            with early.wait(newer_than=order[1] - 1, timeout=120) as version:
-                woken = time.perf_counter()
-                held = None
-                held = version.state(device)
-                _sync(device)
-            done = time.perf_counter()
-            pipe.send({"pin": woken - started, "copy": done - woken, "total": done - started})
             held = None
+            pipe.send(_timed_read(early, order[1], device)[0])  # its state goes at once
             early.close()  # its registrations go: the rest of the run is as before
         elif order[0] == "stream":
             with big.wait(timeout=120) as version:

@@ -507,17 +507,14 @@ def _published_state(step: int) -> dict[str, object]:
     }
 
 
-def test_a_first_version_copied_piece_by_piece_as_it_registers_is_bit_exact_and_kept(
-    daemon, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A new subscriber's first version is copied a piece at a time while the next piece
-    registers; every byte lands, and the next version in that slot copies through the same
-    registration without registering anything again."""
-    from shmstage_client import pinning, subscribe
+def _count_ring_registrations(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """A subscriber's ring registers in 64 KiB pieces (many, for small states); returns
+    the list each registration's size is appended to, as it goes on to CUDA."""
+    from shmstage_client import pinning
     from shmstage_client.subscribe import ring
 
     monkeypatch.setattr(ring, "PIECE_BYTES", 64 << 10)
-    calls = []
+    calls: list[object] = []
     register = pinning.register_range
 
     def counted(*args: object) -> None:
@@ -525,6 +522,18 @@ def test_a_first_version_copied_piece_by_piece_as_it_registers_is_bit_exact_and_
         register(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pinning, "register_range", counted)
+    return calls
+
+
+def test_a_first_version_copied_piece_by_piece_as_it_registers_is_bit_exact_and_kept(
+    daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new subscriber's first version is copied a piece at a time while the next piece
+    registers; every byte lands, and the next version in that slot copies through the same
+    registration without registering anything again."""
+    from shmstage_client import subscribe
+
+    calls = _count_ring_registrations(monkeypatch)
     with Stager(daemon.socket, slots=1) as stager, subscribe("g", socket=daemon.socket) as sub:
         first = _published_state(1)
         stager.publish(first, "g", step=1)
@@ -742,18 +751,9 @@ def test_a_subscriber_prepared_before_the_first_publish_copies_it_bit_exact_regi
     """The publisher offers its reserved layout; the subscriber maps and registers every
     slot of it (``prepare``) before a version exists; the first versions, one in each
     slot, land bit-exact on the device through those registrations, registering nothing."""
-    from shmstage_client import pinning, subscribe
-    from shmstage_client.subscribe import ring
+    from shmstage_client import subscribe
 
-    monkeypatch.setattr(ring, "PIECE_BYTES", 64 << 10)
-    calls = []
-    register = pinning.register_range
-
-    def counted(*args: object) -> None:
-        calls.append(args[1])
-        register(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(pinning, "register_range", counted)
+    calls = _count_ring_registrations(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a registration CUDA refused would warn
         with Stager(daemon.socket, slots=2) as stager, subscribe(

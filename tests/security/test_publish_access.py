@@ -67,6 +67,20 @@ def frame():
         data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 253)
         conn.receive_data(data, fds)
     return got
+def try_writing(fds, tag):  # is each read-only, and can it be written three ways?
+    for fd in fds:
+        say(tag + "MODE", fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY)
+        for attempt in ("mmap", "write", "truncate"):
+            try:
+                if attempt == "mmap":
+                    mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                elif attempt == "write":
+                    os.pwrite(fd, b"x", 0)
+                else:
+                    os.ftruncate(fd, 0)
+                say(tag + "WROTE", attempt)
+            except OSError as exc:
+                say(tag + "DENIED", attempt, exc.errno)
 request("hello", 1, {{"version": protocol.PROTOCOL_VERSION, "client": "x", "pid": 1}})
 frame()
 request("subscribe", 2, {{"name": "policy", "owner": {owner}}})
@@ -75,37 +89,13 @@ request("pin", 3, {{"channel": channel, "newer_than": None}})
 pinned = frame().body
 got = frame()
 say("SEGMENTS", got.op, len(got.fds), pinned["step"])
-for fd in got.fds:
-    say("MODE", fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY)
-    for attempt in ("mmap", "write", "truncate"):
-        try:
-            if attempt == "mmap":
-                mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            elif attempt == "write":
-                os.pwrite(fd, b"x", 0)
-            else:
-                os.ftruncate(fd, 0)
-            say("WROTE", attempt)
-        except OSError as exc:
-            say("DENIED", attempt, exc.errno)
+try_writing(got.fds, "")
 request("ring", 4, {{"channel": channel}})  # the ring's other slot, ahead of a version
 ring = frame().body
 say("RING", ring["ring"] == pinned["ring"], len(ring["slots"]), pinned["slot"] in ring["slots"])
 got = frame()
 say("RING-SEGMENTS", got.op, len(got.fds))
-for fd in got.fds:
-    say("RING-MODE", fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY)
-    for attempt in ("mmap", "write", "truncate"):
-        try:
-            if attempt == "mmap":
-                mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            elif attempt == "write":
-                os.pwrite(fd, b"x", 0)
-            else:
-                os.ftruncate(fd, 0)
-            say("RING-WROTE", attempt)
-        except OSError as exc:
-            say("RING-DENIED", attempt, exc.errno)
+try_writing(got.fds, "RING-")
 mine = pinned["pin"]
 for pin in range(1, mine + 8):  # every pin id around: only its own answers
     request("checksums", 100 + pin, {{"pin": pin, "seconds": 0}})
