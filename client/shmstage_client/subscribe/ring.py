@@ -218,7 +218,7 @@ class Ring:
         given ones, shared by the slots ``prepare`` registers; otherwise this slot's)."""
         pieces = pinning.page_pieces(region.size, PIECE_BYTES)
         own = reader is None or registrar is None
-        if reader is None or registrar is None:
+        if own:
             reader = ThreadPoolExecutor(1, thread_name_prefix="shmstage-pin-read")
             registrar = ThreadPoolExecutor(1, thread_name_prefix="shmstage-pin")
         registration = _Registration(pieces, [])
