@@ -525,41 +525,86 @@ def _count_ring_registrations(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     return calls
 
 
-def test_a_first_version_copied_piece_by_piece_as_it_registers_is_bit_exact_and_kept(
+def _count_staged_copies(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The list each copy of a version through pinned staging appends its ``verify`` to."""
+    from shmstage_client.subscribe import version as version_module
+
+    staged: list[bool] = []
+    real = version_module.transfer
+
+    def counted(source, placements, device, **kwargs):  # type: ignore[no-untyped-def]
+        staged.append(kwargs.get("verify", True))
+        return real(source, placements, device, **kwargs)
+
+    monkeypatch.setattr(version_module, "transfer", counted)
+    return staged
+
+
+def test_a_first_version_goes_through_staging_and_the_next_straight_from_its_registered_slot(
     daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new subscriber's first version is copied a piece at a time while the next piece
-    registers; every byte lands, and the next version in that slot copies through the same
-    registration without registering anything again."""
+    """A new subscriber's first version is copied through the pinned staging, bit-exact,
+    registering nothing on its way; its slot registers once the copy is done, and the next
+    version in that slot copies straight from the registration, registering nothing again
+    (whole, verified and streamed in buckets that span pieces)."""
     from shmstage_client import subscribe
 
     calls = _count_ring_registrations(monkeypatch)
+    staged = _count_staged_copies(monkeypatch)
     with Stager(daemon.socket, slots=1) as stager, subscribe("g", socket=daemon.socket) as sub:
         first = _published_state(1)
         stager.publish(first, "g", step=1)
         with sub.wait(timeout=30) as version:
-            assert_same(version.state("cuda"), first)
-            registration = version._ring._registrations[version._slot]
+            ring = version._ring
+            assert not ring.direct(version._slot)
+            assert_same(version.state("cuda", verify=False), first)
+            assert staged == [False]
+            assert ring.registered(60)  # started by the copy's end, in the background
+            registration = ring._registrations[version._slot]
             assert len(registration.pieces) > 50 and all(d.result() for d in registration.done)
             assert len(calls) == len(registration.pieces)
         second = _published_state(2)
         stager.publish(second, "g", step=2)
         with sub.wait(newer_than=1, timeout=30) as version:
+            assert version._ring.direct(version._slot)
             assert version._ring._registrations[version._slot] is registration
             assert_same(version.state("cuda"), second)
             streamed = dict(version.tensors("cuda", bucket_bytes=100 << 10))  # spans pieces
             assert torch.equal(streamed["w"].cpu(), second["w"])
             assert torch.equal(streamed["layers.0"].cpu(), second["layers"][0])
+            assert_same(version.state("cuda", verify=True), second)
+            assert version.verified
+        assert staged == [False], "a copy from a registered slot went through staging"
         assert len(calls) == len(registration.pieces)  # nothing registered again
     assert torch.ones(1, device="cuda").item() == 1.0
 
 
-def test_a_slot_cuda_refuses_midway_warns_once_and_copies_the_rest_at_pageable_speed(
+def test_a_verified_first_version_is_checked_as_it_passes_the_staging(daemon) -> None:
+    """``verify=True`` on a slot's first version: read and checksummed in one pass through
+    the staging, bit-exact, ``verified``; a streamed first version too."""
+    from shmstage_client import subscribe
+
+    with Stager(daemon.socket, slots=2) as stager, subscribe("v", socket=daemon.socket) as sub:
+        for step in (1, 2):  # one in each slot: both first versions there
+            state = _published_state(step)
+            stager.publish(state, "v", step=step)
+            with sub.wait(newer_than=step - 1, timeout=30) as version:
+                assert not version._ring.direct(version._slot)
+                if step == 1:
+                    assert_same(version.state("cuda", verify=True), state)
+                else:
+                    streamed = dict(version.tensors("cuda", bucket_bytes=1 << 20, verify=True))
+                    assert torch.equal(streamed["w"].cpu(), state["w"])
+                    assert torch.equal(streamed["layers.1"].cpu(), state["layers"][1])
+                assert version.verified
+
+
+def test_a_slot_cuda_refuses_midway_warns_once_and_copies_through_staging(
     daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CUDA refusing a registration cannot be caused on demand: the test refuses the fourth
-    call itself. The pieces registered stay (pinned speed), the rest copy pageable, bit-exact,
-    with one warning for the ring."""
+    call itself. Once it refused, every copy goes through the staging, bit-exact, with one
+    warning for the ring; the pieces registered stay registered (released with the ring)."""
     from shmstage_client import pinning, subscribe
     from shmstage_client.subscribe import ring
 
@@ -578,6 +623,10 @@ def test_a_slot_cuda_refuses_midway_warns_once_and_copies_the_rest_at_pageable_s
         state = _published_state(3)
         stager.publish(state, "r", step=3)
         with sub.wait(timeout=30) as version:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # staged: nothing refused yet
+                assert_same(version.state("cuda"), state)
+            assert version._ring.registered(60)
             with pytest.warns(RuntimeWarning, match="could not register the published slots"):
                 assert_same(version.state("cuda"), state)
             with warnings.catch_warnings():

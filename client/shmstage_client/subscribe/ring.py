@@ -9,16 +9,24 @@ every later copy to the device run at pinned speed (55 GB/s against ~9 GB/s from
 unregistered mapping on an H100/H200 host). A publisher that changes its structure
 registers a new layout: a new ring, and this one is retired once no open version uses it.
 
-A slot is registered a piece at a time (``PIECE_BYTES``), on a thread of its own, and
-``pieces`` hands each piece to the copy as soon as it is registered: a new subscriber's
-first version copies piece n while piece n+1 registers, so it costs about the
-registration, not the registration and then the copy (on an H100 host, 7 GiB: 0.33 s
-against 0.54 + 0.14). Registration goes no faster on more threads (the driver serialises
-it; four and eight were slower), but twice as fast on pages already in the page table
-(0.041 s/GiB against 0.077), so another thread reads the pieces in ahead of it
-(``pinning.prefault_read``, ~0.005 s/GiB). Every later version copies the same pieces,
-all registered already: a copy whose host memory spans two registrations fails, so no
-copy ever does.
+A slot's first version does not wait for its registration: it is copied through the
+process's pinned staging (``restore.transfer``: 16 threads memcpy the mapping into pinned
+pieces, each queued to the device as it fills, checksummed in the same pass when the
+version's checksums are there), and the slot's registration starts once that copy is done,
+in the background, for the versions after it. Copying a fresh mapping through staging
+beats registering it in place (8 GiB: 0.29-0.32 s against 0.51-0.56 s on an H100 host, the
+restore's measurement; pinning costs per 4 KiB page, a memcpy does not), and a registered
+slot beats staging from then on (the copy engine reads it directly: one pass over host
+memory). A copy goes straight from the registration only once every piece of it is
+registered (``direct``); until then, and for good once CUDA refused a registration (one
+warning per ring), through staging.
+
+A slot is registered a piece at a time (``PIECE_BYTES``), on a thread of its own.
+Registration goes no faster on more threads (the driver serialises it; four and eight
+were slower), but twice as fast on pages already in the page table (0.041 s/GiB against
+0.077), so another thread reads the pieces in ahead of it (``pinning.prefault_read``,
+~0.005 s/GiB). Every later version copies the same pieces: a copy whose host memory spans
+two registrations fails, so no copy ever does.
 
 A subscriber that prepares (``Subscriber.prepare``) maps every slot of the ring before its
 first version and registers them all in the background (``prepare``), one after another
@@ -135,16 +143,42 @@ class Ring:
         if region is not None:
             region.close()
 
+    def direct(self, slot: int) -> bool:
+        """Whether copies from ``slot`` go straight from its registration with CUDA: every
+        piece of it registered. False while nothing started it, while it runs, and once
+        CUDA refused any registration of this ring (then with one warning per ring): copy
+        through pinned staging, and ``register_soon`` after the copy."""
+        with self._lock:
+            registration = self._registrations.get(slot)
+            unpinnable = self._unpinnable
+        if unpinnable:
+            self._warn_once()
+            return False
+        if registration is None:
+            return False
+        return all(
+            done.done() and done.exception() is None and done.result()
+            for done in registration.done
+        )
+
+    def register_soon(self, slot: int, device: torch.device) -> None:
+        """Start registering ``slot`` for ``device`` in the background unless something
+        already did (its first version was just copied through staging): the versions
+        after it are copied straight from it. Not on a retired ring (it closes once its
+        last version does, and would wait for the registration)."""
+        with self._lock:
+            if self._retired:
+                return
+        self._registration(slot, device)
+
     def pieces(
         self, slot: int, device: torch.device, start: int, end: int
     ) -> Iterator[tuple[int, int, bool]]:
         """Bytes ``start:end`` of ``slot``'s mapping cut where its registrations are cut,
         as (start, end, registered), each yielded once its piece is registered with CUDA
-        for ``device`` (the slot's first use starts that, and it is kept while the ring
+        for ``device`` (started by this call if nothing started it; kept while the ring
         lives). ``registered`` False: CUDA refused, copy that piece at pageable speed (one
-        warning per ring). Copy each piece as it comes: the next registers meanwhile.
-        The registration starts on this call, before the first piece is asked for (the
-        caller allocates its buffer meanwhile)."""
+        warning per ring). A copy asks only once ``direct`` says every piece is there."""
         registration = self._registration(slot, device)
         return self._ready(registration, start, end)
 
@@ -271,7 +305,8 @@ class Ring:
             why = self._refusal
         warnings.warn(
             f"shmstage: could not register the published slots with CUDA ({why}); "
-            "versions will be copied to the device at pageable speed",
+            "versions will be copied to the device through pinned staging (about twice "
+            "the time of a copy from registered slots)",
             RuntimeWarning,
             stacklevel=5,
         )

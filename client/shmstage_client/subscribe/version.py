@@ -28,8 +28,9 @@ says what a copy does about them:
 - ``False``: never verify.
 
 A verified copy to the CPU goes through the restore wing's transfer (read and checksummed
-in one pass); to a GPU it is the unverified copy from the ring's registered mapping, at
-pinned speed, followed by a check of the same bytes in place on several threads (see
+in one pass), and so does one to a GPU from a slot not registered with CUDA yet (its first
+version here: see ``ring``); from a registered slot it is the unverified copy at pinned
+speed, followed by a check of the same bytes in place on several threads (see
 ``_verified`` for why after, not before); ``verified`` says which the last copy was, and a
 tensor that does not match raises ``ChecksumError`` naming it. The pin is what keeps a
 version whole against the daemon and other publishers; the checksums catch what the pin
@@ -119,6 +120,9 @@ class Version:
         self._expires = expires
         self._unpin = unpin
         self._closed = False
+        #: The device a copy went to through staging (the slot was not registered): its
+        #: registration starts once the copies are done.
+        self._staged_to: torch.device | None = None
         ring.use()
 
     def __enter__(self) -> Version:
@@ -156,6 +160,7 @@ class Version:
             return False
         self._closed = True
         try:
+            self._register_staged()
             return self._unpin(self._pin)
         finally:
             self._ring.done()
@@ -176,6 +181,7 @@ class Version:
             buffer = self._copy(0, self._ring.region(self._slot).size, device)
             tensors = dict(self._views(buffer, indices))
         self._check_held()
+        self._register_staged()
         self.verified = checksums is not None
         return tree.unflatten(self._encoded, tensors.__getitem__)
 
@@ -236,6 +242,10 @@ class Version:
         source = MappedSource(region.address + start, end - start, f"version {self.step}")
         if device.type != "cuda":
             return transfer(source, placements, device)
+        device = _indexed(device)
+        if not self._ring.direct(self._slot):  # read and checksummed in one pass
+            self._staged_to = device
+            return transfer(source, placements, device)
         buffer = self._copy(start, end, device)
         verify_in_place(source, placements, threads=VERIFY_THREADS)
         return dict(self._views(buffer, indices, base=start))
@@ -280,6 +290,7 @@ class Version:
                 self._check_held()
                 yield from self._views(buffer, bucket, base=start)
             first = last
+        self._register_staged()
         self.verified = checksums is not None
 
     # -- copying -----------------------------------------------------------------
@@ -287,6 +298,13 @@ class Version:
     def _check_open(self) -> None:
         if self._closed:
             raise SaveError(f"version {self.step} was closed (unpinned); wait for another")
+
+    def _register_staged(self) -> None:
+        """Once a copy went through staging, start registering the slot for the versions
+        after this one (not during the copy: the two would contend for the host)."""
+        if self._staged_to is not None:
+            self._ring.register_soon(self._slot, self._staged_to)
+            self._staged_to = None
 
     def _check_held(self) -> None:
         if time.monotonic() >= self._expires:
@@ -309,9 +327,9 @@ class Version:
         """Bytes ``start:end`` of the slot's mapped range, copied into a new buffer on
         ``device`` (once the copy is complete).
 
-        To a GPU, one DMA per registered piece of the ring's slot, each queued as soon as
-        its piece is registered (on a slot's first version the next piece registers
-        meanwhile; later, all are at once), then one wait on the stream."""
+        To a GPU from a registered slot, one DMA per registered piece, then one wait on the
+        stream; from a slot not registered yet (its first version here), through the
+        process's pinned staging on several threads, and its registration starts after."""
         region = self._ring.region(self._slot)
         size = max(end - start, 0)
         source = torch.frombuffer(region.buffer(), dtype=torch.uint8)
@@ -319,9 +337,13 @@ class Version:
             target = torch.empty(size, dtype=torch.uint8, device=device)
             target.copy_(source[start : start + size])
             return target
-        if device.index is None:  # the ring registers on threads whose device is 0
-            device = torch.device("cuda", torch.cuda.current_device())
-        pieces = self._ring.pieces(self._slot, device, start, end)  # registering from now
+        device = _indexed(device)
+        if not self._ring.direct(self._slot):
+            mapped = MappedSource(region.address + start, size, f"version {self.step}")
+            whole = Placement("", torch.uint8, (size,), 0, size)
+            self._staged_to = device
+            return transfer(mapped, [whole], device, verify=False)[""]
+        pieces = self._ring.pieces(self._slot, device, start, end)
         target = torch.empty(size, dtype=torch.uint8, device=device)
         stream = torch.cuda.current_stream(device)
         try:
@@ -348,3 +370,10 @@ class Version:
             start = self._offset(index) - base
             view = buffer[start : start + spec.nbytes].view(dtype).view(spec.shape)
             yield spec.key, view
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: the ring registers on threads whose device is 0."""
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
