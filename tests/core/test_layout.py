@@ -85,3 +85,83 @@ def test_a_layout_digest_names_its_structure_and_nothing_else() -> None:
         list(reversed(specs)),
     ]
     assert len({Layout.of(c).digest() for c in changed} | {same}) == len(changed) + 1
+
+
+#: Entries near every edge of the checks: accepted ones the one-pass reading may leave to
+#: the full checks (a long key, an empty tensor), and refused ones of every kind.
+EDGE_ENTRIES: list[object] = [
+    ["k" * 256, "F32", [2], None],
+    ["k" * 257, "F32", [2], None],
+    ["ü" * 300, "F32", [2], None],
+    ["ü" * 513, "F32", [2], None],
+    ["empty", "F32", [0, 3], None],
+    ["crafted", "F32", [0, 1 << 61, 1 << 61], None],
+    ["scalar", "I64", [], None],
+    ["deep", "U8", [1] * 64, None],
+    ["deeper", "U8", [1] * 65, None],
+    ["big", "U8", [1 << 46], None],
+    ["bigger", "U8", [(1 << 46) + 1], None],
+    ["huge", "U8", [1 << 62], None],
+    ["sharded", "F32", [2, 2], [4, 0]],
+    ["offsets", "F32", [2], [-1]],
+    ["offsets", "F32", [2], [True]],
+    ["offsets", "F32", [2], (0,)],
+    ["offsets", "F32", [2], [0, 0]],
+    ["shape", "F32", (2,), None],
+    ["shape", "F32", [2.0], None],
+    ["shape", "F32", [False], None],
+    [5, "F32", [2], None],
+    [None, "F32", [2], None],
+    ["", "F32", [2], None],
+    ["__metadata__", "F32", [2], None],
+    ["dtype", ["F32"], [2], None],
+    ["dtype", "f32", [2], None],
+    ["dtype", None, [2], None],
+    ("tuple", "F32", [2], None),
+    ["short", "F32", [2]],
+    {"key": "w"},
+]
+
+
+def per_entry(item: object) -> object:
+    """What the entry-by-entry reading makes of ``item``: its spec and bytes, or the
+    message that refuses it."""
+    try:
+        spec = TensorSpec.from_wire(item)
+    except LayoutError as exc:
+        return str(exc)
+    return spec, spec.nbytes
+
+
+@pytest.mark.parametrize("item", EDGE_ENTRIES, ids=repr)
+def test_a_large_layout_accepts_and_refuses_each_entry_as_its_own_checks_do(
+    item: object,
+) -> None:
+    good = [[f"t{i}", "BF16", [i % 7 + 1, 3], None] for i in range(300)]
+    expected = per_entry(item)
+    try:
+        layout = Layout.from_wire([*good, item], max_tensors=1000)
+    except LayoutError as exc:
+        assert str(exc) == expected
+        return
+    assert isinstance(expected, tuple), expected
+    assert layout.tensors[-1] == expected[0] and layout.sizes[-1] == expected[1]
+    assert layout == Layout.of(TensorSpec.from_wire(entry) for entry in [*good, item])
+    assert layout.nbytes == sum(layout.sizes) == sum(s.nbytes for s in layout.tensors)
+
+
+def test_layout_of_specs_refuses_what_their_validation_refuses() -> None:
+    for spec_ in (
+        TensorSpec("", "F32", (2,)),
+        TensorSpec("w", "F4", (2,)),
+        TensorSpec("w", "F32", (2,), (0, 0)),
+        TensorSpec("w", "U8", (1 << 47,)),
+        TensorSpec("__metadata__", "F32", (2,)),
+    ):
+        with pytest.raises(LayoutError) as info:
+            spec_.validate()
+        with pytest.raises(LayoutError) as again:
+            Layout.of([spec(f"t{i}") for i in range(300)] + [spec_])
+        assert str(again.value) == str(info.value)
+    odd = Layout.of([TensorSpec("w", "F32", (2,), (-1,)), TensorSpec("e", "F32", (0,))])
+    assert odd.sizes == (8, 0) and odd.nbytes == 8
