@@ -256,8 +256,18 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "subscribe": {"name": _STR, "owner": _INT},
     # Pin the channel's newest version (newer than ``newer_than``): answered by "pinned"
     # and, for a slot this connection was not sent yet, its read-only segments in
-    # "ring_fds" frames.
-    "pin": {"channel": _INT, "newer_than": _INT + _NONE, "seconds": _NUM, "max_fds": _INT},
+    # "ring_fds" frames. ``hold``: when there is no such version yet, the daemon keeps the
+    # request up to that many seconds (at most the welcome's
+    # ``limits.max_pin_hold_seconds``; a daemon without it refuses the field) and pins the
+    # first one made visible meanwhile — the answer is the wake-up — or answers
+    # "no_newer" once the hold ran out.
+    "pin": {
+        "channel": _INT, "newer_than": _INT + _NONE, "seconds": _NUM, "max_fds": _INT,
+        "hold": _NUM,
+    },
+    # Stop holding this connection's pin request ``request`` (its caller stopped waiting):
+    # answered by "unheld".
+    "unhold": {"request": _INT},
     "unpin": {"pin": _INT},
     # The checksums of a version this connection pins, waiting up to ``seconds`` (0, the
     # default: only those known now) while the daemon computes them; "checksummed" answers.
@@ -360,6 +370,12 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         # tree, checksums as above); ring, slot and sizes above are part 0's.
         "parts": _LIST,
     },
+    # Answers a held "pin" whose hold ran out with no version newer than asked;
+    # ``newest``: the channel's newest step then.
+    "no_newer": {"channel": _INT, "newest": _INT + _NONE},
+    # ``held``: the request was still held, and is dropped unanswered (false: it was
+    # answered already, or is being answered: its answer — a pin, perhaps — still comes).
+    "unheld": {"request": _INT, "held": _BOOL},
     # ``checksums``: null when there are none (yet: within the time asked for).
     "checksummed": {"pin": _INT, "checksums": (list, type(None))},
     "ring_fds": {"pin": _INT, "first": _INT, "part": _INT},
@@ -423,7 +439,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     ),
     "published": frozenset({"visible"}),
     "subscribe": frozenset({"owner"}),
-    "pin": frozenset({"newer_than", "seconds", "max_fds"}),
+    "pin": frozenset({"newer_than", "seconds", "max_fds", "hold"}),
     "checksums": frozenset({"seconds", "part"}),
     "pinned": frozenset({"tensors", "tree", "checksums", "parts"}),
     "ring_fds": frozenset({"part"}),

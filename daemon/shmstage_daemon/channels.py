@@ -625,8 +625,19 @@ class Channels:
         now: float,
     ) -> Pin:
         """Pin the channel's newest version, if newer than ``newer_than``: its slot is not
-        refilled until ``unpin``, the pin's time, or the connection's end."""
+        refilled until ``unpin``, the pin's time, or the connection's end. Refused with
+        not_retained only when there is no such version (a held pin request then waits for
+        one, ``publishing``): every check of the request itself comes first."""
         channel = self._followed(session, peer, channel_id)
+        policy = self._policy()
+        if seconds is None:
+            seconds = policy.lease_seconds
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise StoreError(
+                ErrorCode.BAD_REQUEST,
+                f"pin.seconds {seconds!r} must be a finite number of seconds > 0",
+            )
+        seconds = min(seconds, policy.max_lease_seconds)
         version = self.newest(channel)
         if version is None or (newer_than is not None and version.step <= newer_than):
             raise StoreError(
@@ -635,7 +646,6 @@ class Channels:
                 + (f" newer than step {newer_than}" if newer_than is not None else "")
                 + " in shmstaged's memory now; wait for the next one",
             )
-        policy = self._policy()
         mine = sum(1 for pin in self.pins.values() if pin.uid == peer.uid)
         if mine >= policy.max_leases:
             raise StoreError(
@@ -653,14 +663,6 @@ class Channels:
                     f"{peer.uid} may not pin the last one (its publisher needs a slot); "
                     "retry once a pin ended",
                 )
-        if seconds is None:
-            seconds = policy.lease_seconds
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise StoreError(
-                ErrorCode.BAD_REQUEST,
-                f"pin.seconds {seconds!r} must be a finite number of seconds > 0",
-            )
-        seconds = min(seconds, policy.max_lease_seconds)
         pin = Pin(next(self._pin_ids), session, peer.uid, version, now, now + seconds)
         self.pins[pin.id] = pin
         for part in version.every_part:

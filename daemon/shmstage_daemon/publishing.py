@@ -17,6 +17,17 @@ same read-only descriptors a pin sends, pinning nothing, none sent twice on a
 connection); a publisher may name its layout as its channel's ring before its first
 version ("offer"), and its followers are told ("ring_ready").
 
+A waiting reader's "pin" may be *held* (``hold``): when no version newer than the one it
+asks for is visible, the request stays here, the connection's, for at most ``hold``
+seconds; the first version made visible meanwhile is pinned for it at once, on the loop,
+and the answer to the request is the wake-up — one frame to the reader instead of an
+announcement, a "pin" and its answer (no "version" frame is sent for the step such an
+answer carries). The pin is taken, charged and bounded as any other (``Channels.pin``),
+only when there is a version. A hold that runs out is answered "no_newer"; a reader that
+stops waiting says "unhold", and a held request dies with its connection. The welcome
+tells clients the longest hold (``limits.max_pin_hold_seconds``): an older daemon does not,
+and its clients pin as before.
+
 A sharded publisher's ranks each publish a *part* (``parts``, ``part``, ``shapes``: each
 shard's global shape by flat key, ``within``): the answer says whether that part made
 the version visible. A pin of a sharded version answers with every part's ring, slot,
@@ -31,16 +42,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from shmstage import segment
 from shmstage.protocol import ErrorCode, Frame
 from shmstage_daemon import requests
-from shmstage_daemon.channels import Channels, Version
+from shmstage_daemon.channels import Channels, Pin, Version
 from shmstage_daemon.requests import RequestError
 from shmstage_daemon.session import Handler, Session
 from shmstage_daemon.slot import Slot, SlotState
-from shmstage_daemon.store import StagedLayout, Store
+from shmstage_daemon.store import StagedLayout, Store, StoreError
 
 log = logging.getLogger("shmstaged.session")
 
@@ -48,6 +60,26 @@ log = logging.getLogger("shmstaged.session")
 MAX_CHECKSUM_WAIT_S: Final = 60.0
 #: How long a sharded version's first part waits for the others, unless it says.
 DEFAULT_PART_WAIT_S: Final = 60.0
+#: The longest a "pin" is held for a version to come (``hold``; the welcome's
+#: ``limits.max_pin_hold_seconds``): a reader waiting longer asks again, so that a request
+#: is never kept long for a client that stopped listening.
+MAX_PIN_HOLD_S: Final = 60
+#: Pin requests one connection may have held at once. A subscriber holds one while it
+#: waits; the rest is slack for one it stopped waiting in whose "unhold" never came. A
+#: connection asking for more is refused: a flood of held requests costs nothing.
+MAX_HELD_PINS: Final = 4
+
+
+@dataclass(eq=False)
+class HeldPin:
+    """A "pin" of no version yet, held until one newer than ``newer_than`` is visible or
+    ``timer`` answers that none came."""
+
+    frame: Frame
+    newer_than: int | None
+    #: Descriptors per message the reader takes (``max_fds``), checked when it asked.
+    batch: int
+    timer: asyncio.TimerHandle
 
 
 class Publishing:
@@ -82,12 +114,20 @@ class Publishing:
         self._newest: int | None = None
         self._told: int | None = None
         self._telling = False
+        #: This connection's held pin requests, by request id (see the module).
+        self._held: dict[int, HeldPin] = {}
+        #: Held by an answer that sends slots (a pin's, a ring's) while it decides which
+        #: this connection lacks and sends them: a held pin is answered beside the
+        #: session's requests, and two answers interleaved would each think the slots
+        #: the other is sending are sent.
+        self._sending = asyncio.Lock()
 
     def ops(self) -> dict[str, Handler]:
         return {
             "publish": self.publish,
             "subscribe": self.subscribe,
             "pin": self.pin,
+            "unhold": self.unhold,
             "unpin": self.unpin,
             "checksums": self.checksums,
             "ring": self.ring,
@@ -95,6 +135,9 @@ class Publishing:
         }
 
     def close(self) -> None:
+        for held in self._held.values():
+            held.timer.cancel()
+        self._held.clear()
         self._channels.end_session(self._session.id)
 
     async def publish(self, frame: Frame) -> None:
@@ -287,7 +330,9 @@ class Publishing:
 
     def _announce(self, step: int) -> None:
         self._newest = step
-        if not self._telling:
+        if self._held:
+            self._wake(step)
+        if not self._telling and self._newest != self._told:
             self._telling = True
             self._session.spawn(self._tell())
 
@@ -304,15 +349,108 @@ class Publishing:
 
     async def pin(self, frame: Frame) -> None:
         batch = requests.fds_per_message(frame)
-        session = self._session
-        pin = self._channels.pin(
+        hold = frame.body.get("hold", 0)
+        if not 0 <= hold <= MAX_PIN_HOLD_S:  # NaN fails both
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"pin.hold {hold!r} must be 0 to {MAX_PIN_HOLD_S:g} seconds: how long to wait "
+                "for a version newer than newer_than (0: answer at once); ask again to wait "
+                "longer",
+            )
+        try:
+            pin = self._take_pin(frame)
+        except StoreError as exc:
+            if exc.code != ErrorCode.NOT_RETAINED or not hold:
+                raise
+            self._hold(frame, hold, batch)  # nothing newer yet: the answer is the wake-up
+            return
+        await self._send_pinned(frame, pin, batch)
+
+    def _take_pin(self, frame: Frame) -> Pin:
+        """The pin a "pin" request asks for, now (``Channels.pin``: checked, charged)."""
+        session, body = self._session, frame.body
+        return self._channels.pin(
             session.id,
             session.peer,
-            frame.body["channel"],
-            frame.body.get("newer_than"),
-            frame.body.get("seconds"),
+            body["channel"],
+            body.get("newer_than"),
+            body.get("seconds"),
             time.monotonic(),
         )
+
+    def _hold(self, frame: Frame, hold: float, batch: int) -> None:
+        """Keep a "pin" of no version yet for ``hold`` seconds (see the module)."""
+        if frame.id in self._held:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"request id {frame.id} is already a held pin request of this connection; "
+                "give each request its own id",
+            )
+        if len(self._held) >= MAX_HELD_PINS:
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"this connection already has {len(self._held)} pin requests waiting for a "
+                f"version (pin.hold; at most {MAX_HELD_PINS}); wait for their answers, or "
+                "unhold one, before holding another",
+            )
+        timer = asyncio.get_running_loop().call_later(hold, self._held_out, frame.id)
+        self._held[frame.id] = HeldPin(frame, frame.body.get("newer_than"), batch, timer)
+
+    def _wake(self, step: int) -> None:
+        """Step ``step`` became visible: pin it for each held request it satisfies, on the
+        loop now (the version cannot go before the answer is sent: the pin holds it)."""
+        for request, held in list(self._held.items()):
+            if held.newer_than is not None and step <= held.newer_than:
+                continue
+            del self._held[request]
+            held.timer.cancel()
+            try:
+                pin = self._take_pin(held.frame)
+            except StoreError as exc:  # over its uid's pins now, or no longer shared
+                self._session.refused(exc.code, exc.message)
+                self._session.spawn(self._session.send_error(request, exc.code, exc.message))
+                continue
+            self._told = pin.version.step  # the answer says so: no "version" frame too
+            self._session.spawn(self._answer_held(held, pin))
+
+    async def _answer_held(self, held: HeldPin, pin: Pin) -> None:
+        try:
+            await self._send_pinned(held.frame, pin, held.batch)
+        except (RequestError, StoreError) as exc:  # the pin was ended: see _send_pinned
+            self._session.refused(exc.code, exc.message)
+            await self._session.send_error(held.frame.id, exc.code, exc.message)
+
+    def _held_out(self, request: int) -> None:
+        """A held pin request's hold ran out with no version newer than it asked for."""
+        if self._held.pop(request, None) is None:
+            return
+        channel = self._channels.by_id.get(self._channel)
+        newest = None if channel is None else self._channels.newest(channel)
+        body = {"channel": self._channel, "newest": None if newest is None else newest.step}
+        self._session.spawn(self._session.send("no_newer", request, body))
+
+    async def unhold(self, frame: Frame) -> None:
+        """The reader stopped waiting in a held pin request: drop it, or say that it was
+        answered already (its answer, perhaps a pin to end, is then on its way)."""
+        request = frame.body["request"]
+        held = self._held.pop(request, None)
+        if held is not None:
+            held.timer.cancel()
+        answer = {"request": request, "held": held is not None}
+        await self._session.send("unheld", frame.id, answer)
+
+    async def _send_pinned(self, frame: Frame, pin: Pin, batch: int) -> None:
+        """Answer a "pin" with ``pin``: "pinned", then the segments of slots this
+        connection lacks; the pin is ended if the answer cannot be sent whole."""
+        try:
+            async with self._sending:
+                await self._send_pinned_now(frame, pin, batch)
+        except BaseException:
+            self._channels.unpin(self._session.id, pin.id)
+            raise
+
+    async def _send_pinned_now(self, frame: Frame, pin: Pin, batch: int) -> None:
+        session = self._session
         version = pin.version
         parts = version.every_part
         sharded = bool(version.parts)
@@ -323,7 +461,7 @@ class Publishing:
             body: dict[str, Any] = {
                 "pin": pin.id,
                 "step": version.step,
-                "seconds": pin.expires - pin.granted,
+                "seconds": pin.expires - time.monotonic(),  # left: a held pin's began earlier
                 "metadata": version.metadata,
             }
             prepacked = None
@@ -353,11 +491,7 @@ class Publishing:
                     )
                     self._sent[part.staged.id].add(part.slot.serial)
         except segment.SegmentError as exc:
-            self._channels.unpin(session.id, pin.id)
             raise RequestError(ErrorCode.NOT_RETAINED, str(exc)) from None
-        except BaseException:
-            self._channels.unpin(session.id, pin.id)
-            raise
 
     def _part_entry(self, part: Version, sharded: bool) -> dict[str, Any]:
         """What a reader needs of one part (of the version itself, unsharded) to map its
@@ -388,6 +522,10 @@ class Publishing:
         maps and registers them before its first version (``Subscriber.prepare``), and its
         pins then send none of them again. Checked as a pin is (``Channels.ring_of``); the
         descriptors are charged as a pin's are (``Session.send_segments``)."""
+        async with self._sending:
+            await self._send_ring(frame)
+
+    async def _send_ring(self, frame: Frame) -> None:
         batch = requests.fds_per_message(frame)
         session = self._session
         staged = self._channels.ring_of(session.id, session.peer, frame.body["channel"])

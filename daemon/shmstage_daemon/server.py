@@ -39,7 +39,7 @@ from shmstage_daemon.fairness import FairExecutor
 from shmstage_daemon.jobs import Jobs
 from shmstage_daemon.listener import Listener, StartupError
 from shmstage_daemon.owed import Owed
-from shmstage_daemon.publishing import Publishing
+from shmstage_daemon.publishing import MAX_PIN_HOLD_S, Publishing
 from shmstage_daemon.registration import Registration
 from shmstage_daemon.restores import Restores
 from shmstage_daemon.segments import Segments, check_capacity
@@ -471,7 +471,8 @@ class Daemon:
         """The daemon's part of a session's "welcome"."""
         return {
             "instance": self.instance,
-            "limits": self.store.limits.to_wire(),
+            # the longest held "pin" (``publishing``): a client pins so only when told
+            "limits": {**self.store.limits.to_wire(), "max_pin_hold_seconds": MAX_PIN_HOLD_S},
             "default_slots": self.settings.default_slots,
         }
 

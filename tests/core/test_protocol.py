@@ -465,6 +465,33 @@ def test_publish_may_be_large_and_its_fields_are_checked() -> None:
         daemon.next_frame()
 
 
+def test_a_held_pin_is_answered_by_its_pin_or_no_newer_and_may_be_unheld() -> None:
+    """A reader's "pin" may ask the daemon to hold it (``hold`` seconds) until a version
+    newer than ``newer_than`` is visible; "unhold" stops that."""
+    client, daemon = greeted_daemon_side()
+    held = {"channel": 1, "newer_than": 6, "max_fds": 8, "hold": 2.5}
+    daemon.receive_data(client.send("pin", 3, held) + client.send("unhold", 4, {"request": 3}))
+    assert [daemon.next_frame().body for _ in range(2)] == [held, {"request": 3}]
+    daemon.receive_data(raw({"op": "pin", "id": 5, "nfds": 0, "channel": 1, "hold": "60"}))
+    with pytest.raises(ProtocolError, match=r"pin\.hold must be int/float, not str"):
+        daemon.next_frame()
+    client, daemon = greeted_daemon_side()
+    client.receive_data(daemon.send("welcome", 1, {
+        "version": PROTOCOL_VERSION, "daemon": "d", "instance": "i",
+        "limits": {"max_pin_hold_seconds": 60},
+    }))  # fmt: skip
+    client.next_frame()
+    for op, body in [
+        ("no_newer", {"channel": 1, "newest": 6}),
+        ("no_newer", {"channel": 1, "newest": None}),
+        ("unheld", {"request": 3, "held": True}),
+    ]:
+        client.receive_data(daemon.send(op, 3, body))
+        assert client.next_frame().body == body
+    with pytest.raises(ValueError, match="client cannot send 'no_newer'"):
+        client.send("no_newer", 1, {"channel": 1, "newest": None})
+
+
 def test_a_pinned_versions_checksums_are_asked_for_and_answered_null_when_there_are_none() -> None:
     client, daemon = greeted_daemon_side()
     daemon.receive_data(client.send("checksums", 4, {"pin": 3}) + client.send(

@@ -156,6 +156,23 @@ def test_a_pin_asks_for_a_version_newer_than_a_step() -> None:
     assert world.channels.pin(PUBLISHER + 10, OWNER, channel, 2, None, now=0.0).version.step == 3
 
 
+def test_a_pin_is_refused_not_retained_only_for_want_of_a_version_after_its_own_checks() -> None:
+    """A held pin request (``publishing``) waits on not_retained alone: a request wrong in
+    itself, or from a connection that follows no such channel, is refused at once."""
+    world = World()
+    channel = world.follow(PUBLISHER + 10, OWNER)
+    for seconds in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(StoreError, match=r"pin\.seconds .* must be a finite") as refused:
+            world.channels.pin(PUBLISHER + 10, OWNER, channel, None, seconds, now=0.0)
+        assert refused.value.code is ErrorCode.BAD_REQUEST
+    with pytest.raises(StoreError, match="does not follow channel") as refused:
+        world.channels.pin(STRANGER, OUTSIDER, channel, None, None, now=0.0)
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    with pytest.raises(StoreError, match="has no version") as refused:
+        world.channels.pin(PUBLISHER + 10, OWNER, channel, None, None, now=0.0)
+    assert refused.value.code is ErrorCode.NOT_RETAINED and not world.channels.pins
+
+
 def test_pins_are_bounded_in_count_and_time_and_end_with_their_connection() -> None:
     world = World(slots=3)
     channel = world.follow(PUBLISHER + 10, OWNER)

@@ -10,11 +10,15 @@ evaluator or a serving sidecar on the same node follows them::
                 model.load_state_dict(version.state(device="cuda"))
                 step = version.step
 
-The subscriber's connection stays open: the daemon pushes a frame when a new version is
-visible, so ``wait`` wakes at once and never polls. ``wait`` then pins the newest version
-(``version``) and, the first time a version lands in a slot of the publisher's ring, maps
-that slot read-only (``ring``) — kept for every later version there. Closing the
-subscriber (or its process dying) ends its pins.
+The subscriber's connection stays open and ``wait`` never polls: it asks the daemon for a
+pin of a version newer than the one it has, and the daemon *holds* the request until such
+a version is visible, pins it then and answers — the answer that wakes the reader is the
+pin, one frame after the publish (a hold lasts at most the daemon's
+``max_pin_hold_seconds``; ``wait`` asks again within its own timeout). A daemon that does
+not hold pins (older than this client) pushes a frame when a new version is visible, and
+``wait`` then pins the newest. The first time a version lands in a slot of the publisher's
+ring, that slot is mapped read-only (``ring``) — kept for every later version there.
+Closing the subscriber (or its process dying) ends its pins and its held request.
 
 A version published by a sharded trainer (``shmstage_client.dcp.ShmStagePublisher``) is
 made of one part per rank of the node, each in a slot of that rank's ring: ``wait`` pins
@@ -84,6 +88,12 @@ class Subscriber:
         if owner is not None:
             body["owner"] = owner if isinstance(owner, int) else pwd.getpwnam(owner).pw_uid
         self._events: RequestHandle | None = None
+        #: The longest the daemon holds a pin request for a version to come (see the
+        #: module); None: it does not (an older daemon), and wait() pins once told.
+        hold = (self._connection.welcome.get("limits") or {}).get("max_pin_hold_seconds")
+        self._max_hold: float | None = (
+            float(hold) if type(hold) in (int, float) and hold > 0 else None
+        )
         #: The rings of the last version pinned (one per part), by id.
         self._rings: dict[int, Ring] = {}
         #: The last version tree the daemon sent per part: it sends one again only when it
@@ -121,7 +131,14 @@ class Subscriber:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._take_announcements()
         while True:
-            if self._wanted(newer_than):
+            if self._max_hold is not None:  # the daemon pins it as soon as there is one
+                hold = self._max_hold
+                if deadline is not None:
+                    hold = max(0.0, min(hold, deadline - time.monotonic()))
+                version = self._pin(newer_than, hold)
+                if version is not None:
+                    return version
+            elif self._wanted(newer_than):
                 version = self._pin(newer_than)
                 if version is not None:
                     return version
@@ -131,7 +148,8 @@ class Subscriber:
                     f"no version of channel {self.name!r} newer than step {newer_than} "
                     f"within {timeout} s (newest announced: {self.newest})"
                 )
-            self._announced(self._next_event(left))
+            if self._max_hold is None:
+                self._announced(self._next_event(left))
 
     def prepare(
         self,
@@ -263,40 +281,78 @@ class Subscriber:
         if self.newest is None or step > self.newest:
             self.newest = step
 
-    def _pin(self, newer_than: int | None) -> Version | ShardedVersion | None:
-        """Pin the newest version and map its slots if this is their first version here;
-        None when it was gone by then (refilled, its publisher gone): wait for the next."""
+    def _pin(self, newer_than: int | None, hold: float = 0.0) -> Version | ShardedVersion | None:
+        """Pin the newest version newer than ``newer_than`` — with ``hold``, the first one
+        visible within ``hold`` seconds, pinned by the daemon as it becomes visible — and
+        map its slots if this is their first version here; None when there was none (or
+        it was gone by then: refilled, its publisher gone): ask again."""
         asked = time.monotonic()
         body: dict[str, Any] = {"channel": self.channel, "newer_than": newer_than}
         body["max_fds"] = lease_batch()
+        if hold:
+            body["hold"] = hold
         handle = self._connection.start("pin", body)
         try:
             try:
-                reply = handle.next(REQUEST_TIMEOUT)
+                reply = handle.next(hold + REQUEST_TIMEOUT)
             except DaemonRefused as exc:
                 if exc.code == "not_retained":
                     return None
                 raise
-            pinned = reply.body
-            sharded = "parts" in pinned
-            entries = pinned["parts"] if sharded else [pinned]
-            unpin = self._unpin
-            try:
-                for index, entry in enumerate(entries):
-                    if "tree" in entry:
-                        self._trees[index] = entry["tree"]
-                    elif index not in self._trees:
-                        raise DaemonLost("shmstaged pinned a version without its tree, never sent")
-                rings = [self._ring_for(entry) for entry in entries]
-                for ring_id in self._rings.keys() - {ring.id for ring in rings}:
-                    self._rings.pop(ring_id).retire()  # the daemon forgot it too
-                for index, (entry, ring) in enumerate(zip(entries, rings, strict=True)):
-                    self._receive(handle, ring, entry, index if sharded else None)
-            except BaseException:
-                unpin(pinned["pin"])
+            except SaveError:  # the daemon hung or went: no answer comes to settle
                 raise
+            except BaseException:  # KeyboardInterrupt while held: leave nothing held
+                if hold:
+                    self._unhold(handle)
+                raise
+            if reply.op == "no_newer":
+                return None
+            if hold:  # pinned when the version came, and the pin's time counted from then
+                asked = time.monotonic()
+            return self._take(handle, reply.body, asked)
         finally:
             handle.finish()
+
+    def _unhold(self, handle: RequestHandle) -> None:
+        """Settle a held pin request that this subscriber stopped waiting in: the daemon
+        drops it, or says it was answered meanwhile — and a pin that came is taken (its
+        slots mapped, as the daemon now counts them sent here) and ended: never left
+        behind for the pin's whole time."""
+        try:
+            reply = self._connection.call(
+                "unhold", {"request": handle.id}, timeout=REQUEST_TIMEOUT
+            )
+            if reply.body["held"]:
+                return
+            answer = handle.next(REQUEST_TIMEOUT)
+            if answer.op == "pinned":
+                self._take(handle, answer.body, time.monotonic()).close()
+        except SaveError as exc:  # a refused answer pinned nothing; a lost connection ends all
+            log.debug("settling a held pin request of channel %r: %s", self.name, exc)
+
+    def _take(
+        self, handle: RequestHandle, pinned: dict[str, Any], asked: float
+    ) -> Version | ShardedVersion:
+        """The version a "pinned" answer gives, its slots mapped (unpinned if they do not
+        all arrive). ``asked``: when the pin's ``seconds`` (what was left of it when the daemon
+        answered) began, as near as this side knows."""
+        sharded = "parts" in pinned
+        entries = pinned["parts"] if sharded else [pinned]
+        unpin = self._unpin
+        try:
+            for index, entry in enumerate(entries):
+                if "tree" in entry:
+                    self._trees[index] = entry["tree"]
+                elif index not in self._trees:
+                    raise DaemonLost("shmstaged pinned a version without its tree, never sent")
+            rings = [self._ring_for(entry) for entry in entries]
+            for ring_id in self._rings.keys() - {ring.id for ring in rings}:
+                self._rings.pop(ring_id).retire()  # the daemon forgot it too
+            for index, (entry, ring) in enumerate(zip(entries, rings, strict=True)):
+                self._receive(handle, ring, entry, index if sharded else None)
+        except BaseException:
+            unpin(pinned["pin"])
+            raise
         if self.newest is None or pinned["step"] > self.newest:
             self.newest = pinned["step"]
         expires = asked + pinned["seconds"] - PIN_MARGIN_S
