@@ -11,7 +11,7 @@ cannot carry. A refused state dict costs no directory, no slot, no copy.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -131,7 +131,7 @@ class Flattened:
     def layout(self) -> Layout:
         """The validated layout (only needed when the signature is new)."""
         if self._layout is None:
-            self._layout = _layout_of(self.items, self.offsets)
+            self._layout = _layout_of(self.keys, self.tensors, self.signature, self.offsets)
         return self._layout
 
     def check(self, current_signature: Signature | None) -> None:
@@ -224,8 +224,49 @@ def _heaviest(encoded: Any) -> str:
 
 
 def _layout_of(
-    items: list[tuple[str, torch.Tensor]], offsets: Mapping[str, tuple[int, ...]]
+    keys: list[str],
+    tensors: list[torch.Tensor],
+    signature: Signature,
+    offsets: Mapping[str, tuple[int, ...]],
 ) -> Layout:
+    """The layout of a structure not seen before: its specs, checked as ``Layout.of``
+    checks them. The tensors' own properties are checked per distinct value (types,
+    layouts, devices, dtypes: a handful among 100,000 tensors) from the signature read in
+    bulk; should any of them be refused, every tensor is looked at again in turn
+    (``_tensor_specs``), and the first refused one is named."""
+    properties = signature.properties
+    names = {dtype: safetensors_name(dtype) for dtype, _, _, _ in set(properties)}
+    if (
+        all(
+            kind is torch.Tensor or issubclass(kind, torch.nn.Parameter)
+            for kind in set(signature.types)
+        )
+        and {layout for _, _, layout, _ in properties} <= {torch.strided}
+        and all(device.type != "meta" for device in {p[3] for p in properties})
+        and None not in names.values()
+        and not any(map(_QUANTIZED, tensors))
+    ):
+        specs = [
+            TensorSpec(key, names[dtype], tuple(shape), offsets.get(key))  # type: ignore[arg-type]
+            for key, (dtype, shape, _, _) in zip(keys, properties, strict=True)
+        ]
+    else:
+        specs = _tensor_specs(zip(keys, tensors, strict=True), offsets)
+    try:
+        return Layout.of(specs)
+    except LayoutError as exc:
+        raise UnsupportedValue(f"{exc}; nothing was written") from None
+
+
+#: Whether a tensor is quantized, read in one C call per tensor.
+_QUANTIZED: Final = operator.attrgetter("is_quantized")
+
+
+def _tensor_specs(
+    items: Iterable[tuple[str, torch.Tensor]], offsets: Mapping[str, tuple[int, ...]]
+) -> list[TensorSpec]:
+    """The specs of tensors looked at one by one; raises UnsupportedValue naming the first
+    one that cannot be staged."""
     specs = []
     for key, tensor in items:
         if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
@@ -250,7 +291,4 @@ def _layout_of(
             )
         shard = offsets.get(key)
         specs.append(TensorSpec(key, dtype, tuple(tensor.shape), shard))
-    try:
-        return Layout.of(specs)
-    except LayoutError as exc:
-        raise UnsupportedValue(f"{exc}; nothing was written") from None
+    return specs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +78,69 @@ def test_a_loop_catching_save_error_survives_every_refusal(daemon, ckpt: Path) -
     assert os.listdir(ckpt) == ["good"]
     assert_same(load(ckpt / "good"), {"w": torch.ones(2), "x": 2**64 - 1})
 
+
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: refused, by key, however many plain tensors come with it."""
+
+
+def _many(bad: object, at: int = 150) -> dict[str, object]:
+    """300 plain tensors of a few dtypes and shapes, with ``bad`` among them."""
+    dtypes = (torch.float32, torch.bfloat16, torch.int64)
+    state: dict[str, object] = {
+        f"t{i}": torch.zeros(i % 5 + 1, 2, dtype=dtypes[i % 3]) for i in range(300)
+    }
+    state[f"t{at}"] = bad
+    return state
+
+
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # deprecated, and still a tensor a caller may pass
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (lambda: torch.ones(2).to_sparse(), "tensor 't150' (torch.sparse_coo, cpu) is not a "),
+        (lambda: torch.empty(2, device="meta"), "tensor 't150' (torch.strided, meta) is not a "),
+        (lambda: torch.ones(2, dtype=torch.complex128), "tensor 't150' has dtype torch.complex1"),
+        (_quantized, "tensor 't150' (torch.strided, cpu) is not a dense"),
+        (lambda: torch.ones(2).as_subclass(_Marked), "tensor 't150' is a _Marked; plain tensors"),
+    ],
+    ids=["sparse", "meta", "complex128", "quantized", "subclass"],
+)
+@pytest.mark.parametrize("another", [False, True], ids=["alone", "another-later"])
+def test_a_new_structure_of_many_tensors_is_refused_naming_its_first_unsupported_tensor(
+    bad: Callable[[], torch.Tensor], message: str, another: bool
+) -> None:
+    """The tensors' properties are checked per distinct value, in bulk; what they refuse
+    is then found tensor by tensor, and named as a state dict of one tensor would be."""
+    state = _many(bad())
+    if another:
+        state["t200"] = torch.ones(2, dtype=torch.complex128)  # refused too, but later
+    flat = Flattened.of(state, None)
+    with pytest.raises(UnsupportedValue) as info:
+        flat.layout()
+    assert str(info.value).startswith(message) and "nothing was written" in str(info.value)
+
+
+def test_a_new_structure_of_many_tensors_has_the_layout_its_tensors_describe() -> None:
+    state = _many(torch.nn.Parameter(torch.ones(3, 4)), at=7)
+    offsets = {"t7": (6, 0), "t8": (0, 4)}
+    layout = Flattened.of(state, offsets).layout()
+    assert len(layout.tensors) == 300
+    for spec, (key, tensor) in zip(layout.tensors, state.items(), strict=True):
+        assert (spec.key, tuple(spec.shape)) == (key, tuple(tensor.shape))
+        assert spec.dtype == {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}[
+            tensor.dtype
+        ]
+        assert spec.offsets == offsets.get(key)
+    assert layout.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+    with pytest.raises(UnsupportedValue, match=r"offsets .* do not match shape"):
+        Flattened.of(state, {"t9": (0,)}).layout()
 
 
 # -- a structure saved again: found in bulk, never by address ----------------------------

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -102,9 +102,9 @@ class Layouts:
         if current is not None and current.whole and flat.matches(current.signature):
             return current
         layout = flat.layout()
-        groups = device_groups([tensor.device for tensor in flat.tensors])
+        groups = device_groups([device for _, _, _, device in flat.signature.properties])
         if current is None or current.layout != layout or not current.whole:
-            wants = _wants_pin(pin, flat.tensors)
+            wants = _wants_pin(pin, groups)
             current = self._register(layout, slots, wants, timeout, meanwhile, groups)
             self.current = current
         current.signature = flat.signature
@@ -356,9 +356,9 @@ def _while_waiting(
         log.debug("work ahead of the first copy failed (%s); the copy does it instead", exc)
 
 
-def _wants_pin(pin: bool | str, tensors: list[torch.Tensor]) -> bool:
+def _wants_pin(pin: bool | str, devices: Iterable[torch.device]) -> bool:
     """Whether to page-lock the segments for CUDA: ``pin="auto"`` does so when the state
-    dict holds CUDA tensors."""
+    dict holds CUDA tensors (``devices``: where its tensors are, each device once)."""
     if pin == "auto":
-        return any(tensor.device.type == "cuda" for tensor in tensors)
+        return any(device.type == "cuda" for device in devices)
     return bool(pin)

@@ -380,6 +380,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def device_groups(devices: Sequence[torch.device]) -> dict[torch.device, list[int]]:
     """The positions of the tensors on each device, in order."""
+    if len(set(devices)) == 1:  # the usual case, without a Python step per tensor
+        return {devices[0]: list(range(len(devices)))}
     groups: dict[torch.device, list[int]] = {}
     for index, device in enumerate(devices):
         groups.setdefault(device, []).append(index)
