@@ -266,7 +266,7 @@ _CLIENT_OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "hold": _NUM,
     },
     # Stop holding this connection's pin request ``request`` (its caller stopped waiting):
-    # answered by "unheld".
+    # a request still held is answered "no_newer" at once; then "unheld" answers this.
     "unhold": {"request": _INT},
     "unpin": {"pin": _INT},
     # The checksums of a version this connection pins, waiting up to ``seconds`` (0, the
@@ -373,7 +373,7 @@ _DAEMON_OPS: dict[str, dict[str, tuple[type, ...]]] = {
     # Answers a held "pin" whose hold ran out with no version newer than asked;
     # ``newest``: the channel's newest step then.
     "no_newer": {"channel": _INT, "newest": _INT + _NONE},
-    # ``held``: the request was still held, and is dropped unanswered (false: it was
+    # ``held``: the request was still held, and was answered "no_newer" (false: it was
     # answered already, or is being answered: its answer — a pin, perhaps — still comes).
     "unheld": {"request": _INT, "held": _BOOL},
     # ``checksums``: null when there are none (yet: within the time asked for).

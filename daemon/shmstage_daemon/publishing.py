@@ -422,20 +422,24 @@ class Publishing:
 
     def _held_out(self, request: int) -> None:
         """A held pin request's hold ran out with no version newer than it asked for."""
-        if self._held.pop(request, None) is None:
-            return
+        if self._held.pop(request, None) is not None:
+            self._session.spawn(self._session.send("no_newer", request, self._no_newer()))
+
+    def _no_newer(self) -> dict[str, Any]:
         channel = self._channels.by_id.get(self._channel)
         newest = None if channel is None else self._channels.newest(channel)
-        body = {"channel": self._channel, "newest": None if newest is None else newest.step}
-        self._session.spawn(self._session.send("no_newer", request, body))
+        return {"channel": self._channel, "newest": None if newest is None else newest.step}
 
     async def unhold(self, frame: Frame) -> None:
-        """The reader stopped waiting in a held pin request: drop it, or say that it was
-        answered already (its answer, perhaps a pin to end, is then on its way)."""
+        """The reader stopped waiting in a held pin request: answer it "no_newer" now if it
+        is still held. Either way it then has had, or is being sent, its one answer — a
+        pin, perhaps, for the reader to end — which the reader waits for on that request
+        alone (its frames' descriptors may hold up everything after them)."""
         request = frame.body["request"]
         held = self._held.pop(request, None)
         if held is not None:
             held.timer.cancel()
+            await self._session.send("no_newer", request, self._no_newer())
         answer = {"request": request, "held": held is not None}
         await self._session.send("unheld", frame.id, answer)
 

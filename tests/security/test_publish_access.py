@@ -105,8 +105,9 @@ for pin in range(1, mine + 8):  # every pin id around: only its own answers
 
 
 #: The attacker, before the victim shares: asks for the ring of every channel id around
-#: (only its own channel, which it follows, answers) and offers every layout id around as
-#: the ring of its own channel (none of them is its).
+#: (only its own channel, which it follows, answers), asks the daemon to hold a pin of
+#: each for it until a version comes (only its own channel's is held, and runs out), and
+#: offers every layout id around as the ring of its own channel (none of them is its).
 RING_PROBE = """
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("{sock}")
@@ -126,6 +127,10 @@ for channel in range(1, own + 8):
     request("ring", 10 + channel, {{"channel": channel}})
     got = frame()
     say("RING", channel == own, got.op, got.body.get("code"), got.body.get("ring"), len(got.fds))
+for channel in range(1, own + 8):
+    request("pin", 200 + channel, {{"channel": channel, "newer_than": None, "hold": 0.5}})
+    got = frame()
+    say("HELD", channel == own, got.op, got.body.get("code"), len(got.fds))
 for layout in range(1, 9):
     request("offer", 100 + layout, {{"layout": layout, "name": "policy"}})
     got = frame()
@@ -160,6 +165,11 @@ def test_another_user_follows_a_channel_only_once_shared_and_gets_read_only_desc
         others = [ring for ring in rings if ring[0] == "False"]
         refused = ["False", "error", "bad_request", "None", "0"]
         assert others and all(ring == refused for ring in others), probe
+        # a held pin is checked as a pin is: only its own channel's is held (till it ran out)
+        holds = [line.split()[1:] for line in probe.splitlines() if line.startswith("HELD")]
+        assert ["True", "no_newer", "None", "0"] in holds, probe
+        others = [held for held in holds if held[0] == "False"]
+        assert others and all(held == ["False", "error", "bad_request", "0"] for held in others)
         offers = [line for line in probe.splitlines() if line.startswith("OFFER")]
         assert len(offers) == 8 and all(" error " in line for line in offers), probe
         flag.touch()

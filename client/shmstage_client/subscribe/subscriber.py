@@ -315,20 +315,18 @@ class Subscriber:
 
     def _unhold(self, handle: RequestHandle) -> None:
         """Settle a held pin request that this subscriber stopped waiting in: the daemon
-        drops it, or says it was answered meanwhile — and a pin that came is taken (its
-        slots mapped, as the daemon now counts them sent here) and ended: never left
-        behind for the pin's whole time."""
+        answers it "no_newer" at once — or it was answered meanwhile, and a pin that came
+        is taken (its slots mapped, as the daemon now counts them sent here) and ended,
+        never left behind for the pin's whole time."""
+        unheld = self._connection.start("unhold", {"request": handle.id})
         try:
-            reply = self._connection.call(
-                "unhold", {"request": handle.id}, timeout=REQUEST_TIMEOUT
-            )
-            if reply.body["held"]:
-                return
-            answer = handle.next(REQUEST_TIMEOUT)
+            answer = handle.next(REQUEST_TIMEOUT)  # its one answer, whichever it is
             if answer.op == "pinned":
                 self._take(handle, answer.body, time.monotonic()).close()
         except SaveError as exc:  # a refused answer pinned nothing; a lost connection ends all
             log.debug("settling a held pin request of channel %r: %s", self.name, exc)
+        finally:
+            unheld.finish()
 
     def _take(
         self, handle: RequestHandle, pinned: dict[str, Any], asked: float

@@ -8,11 +8,17 @@ imported this module (and torch) once, each talking back through ``tell``.
              until killed
     saver    save step 3 durably to ``path`` and publish it (``save(..., publish=)``), then
              wait to be killed
+    waiter   wait() for a version of a channel that has none; tell "held" once the daemon
+             holds its pin request, then wait on until killed
+
+``on_held_pin`` runs a test's code at the moment a subscriber's ``wait()`` has its pin
+request held by the daemon, about to block for the answer.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +37,39 @@ def state_of(step: int) -> dict[str, Any]:
 def uniform(state: dict[str, Any], step: int) -> bool:
     tensors = [state["w"], *state["layers"]]
     return state["step"] == step and all(bool((t == step).all()) for t in tensors)
+
+
+def on_held_pin(subscriber: Any, hook: Callable[[], None]) -> list[tuple[str, dict[str, Any]]]:
+    """Call ``hook`` in ``subscriber``'s next ``wait()`` once the daemon holds its pin
+    request (a round trip on the same connection after it proves it: a connection's
+    requests are served in order), just before it blocks for the answer; returns the list
+    of (op, body) of every request the subscriber sends from now on."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    connection = subscriber._connection
+    start = connection.start
+
+    def spy(op: str, body: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        sent.append((op, dict(body)))
+        handle = start(op, body, *args, **kwargs)
+        if op == "pin" and body.get("hold") and not getattr(spy, "done", False):
+            spy.done = True  # type: ignore[attr-defined]
+            blocking = handle.next
+
+            def held(timeout: float | None) -> Any:
+                handle.next = blocking
+                status = start("status", {})
+                try:
+                    status.next(10)
+                finally:
+                    status.finish()
+                hook()
+                return blocking(timeout)
+
+            handle.next = held
+        return handle
+
+    connection.start = spy
+    return sent
 
 
 def reader(socket: str, name: str, final: int, tell: Any) -> None:
@@ -57,6 +96,12 @@ def holder(socket: str, name: str, tell: Any) -> None:
     version = subscriber.wait(timeout=30)
     tell.send(version.step)
     time.sleep(3600)
+
+
+def waiter(socket: str, name: str, tell: Any) -> None:
+    subscriber = subscribe(name, socket=socket)
+    on_held_pin(subscriber, lambda: tell.send("held"))
+    subscriber.wait(timeout=3600)
 
 
 def dier(socket: str, name: str, tell: Any) -> None:

@@ -29,6 +29,8 @@ from shmstage_client import (
     subscribe,
 )
 
+from shmstage.control import ControlClient
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from channel_worker import state_of, uniform  # noqa: E402
@@ -156,6 +158,31 @@ def test_a_killed_reader_releases_its_pins_and_the_publisher_gets_its_slot(
             return True
 
         wait_for(published, 5, "the killed reader's pin to end")
+
+
+def test_a_killed_reader_waiting_in_a_held_pin_leaves_nothing_held_or_pinned(
+    forks: Any, socket: str, name: str
+) -> None:
+    """SIGKILLed while the daemon holds its pin request: the request dies with its
+    connection, or the pin the version took for it just then does."""
+    with Stager(socket, slots=1, wait_for_slot=False) as stager:
+        waiter, told = worker(forks, "waiter", socket, name)
+        try:
+            assert heard(told) == "held"
+        finally:
+            waiter.kill()
+        stager.publish(state_of(1), name, step=1)  # before or after the daemon saw it go
+        waiter.join(10)
+
+        def gone() -> bool:
+            with ControlClient(socket) as control:
+                channels = control.status()["channels"]
+            (channel,) = [channel for channel in channels if channel["name"] == name]
+            return channel["subscribers"] == channel["pins"] == 0
+
+        wait_for(gone, 10, "the killed reader's subscription and pins to end")
+        # one slot: a pin left behind would refuse this at once (SlotUnavailable)
+        assert stager.publish(state_of(2), name, step=2).subscribers == 0
 
 
 def test_a_publisher_killed_before_it_published_exposes_nothing_of_that_copy(
