@@ -30,37 +30,41 @@ class TreeError(ValueError):
 def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> tuple[Any, list[tuple[str, Any]]]:
     """Encode ``obj`` and list its tensors as ``(flat_key, tensor)`` in traversal order."""
     flattener = _Flattener(is_tensor)
-    return flattener.walk(obj, ""), flattener.tensors
+    encoded = flattener.walk(obj, "")
+    tensors = flattener.tensors
+    if len({key for key, _ in tensors}) != len(tensors):
+        # A flat key twice: walked again noting where each key came from, which raises at
+        # the second one naming both (never noted on the way: a tuple per tensor).
+        _Flattener(is_tensor, owners={}).walk(obj, "")
+    return encoded, tensors
 
 
 class _Flattener:
     """One traversal's state; a class rather than a recursive closure, whose reference
     cycle would keep every per-save object (and the tensors) alive until a collection.
 
-    This runs inside every save, so each flat key is built once from its parent's and the
-    path exists only as one shared stack, for error messages.
+    This runs inside every save, so each flat key is built once from its parent's, a
+    container's tensors are taken where the container is walked (most leaves of a state
+    dict are tensors), and the path exists only as one shared stack, for error messages.
+    ``owners``: where each flat key came from, noted only to say where a duplicate is.
     """
 
-    def __init__(self, is_tensor: Callable[[Any], bool]) -> None:
+    def __init__(
+        self, is_tensor: Callable[[Any], bool], owners: dict[str, tuple[Any, ...]] | None = None
+    ) -> None:
         self.is_tensor = is_tensor
         self.tensors: list[tuple[str, Any]] = []
-        self.owners: dict[str, tuple[Any, ...]] = {}
+        self.owners = owners
         self.path: list[Any] = []
 
     def walk(self, node: Any, key: str) -> Any:
         path = self.path
         if len(path) > MAX_DEPTH:
             raise TreeError(f"{_show(path)}: nesting deeper than {MAX_DEPTH} levels")
+        if type(node) is dict:  # the usual node: a plain dict is nothing else below
+            return self._mapping(node, key)
         if self.is_tensor(node):
-            key = key or "tensor"
-            if key in self.owners:
-                raise TreeError(
-                    f"{_show(path)} and {_show(self.owners[key])} both flatten to key "
-                    f"{key!r}; rename one of them"
-                )
-            self.owners[key] = tuple(path)
-            self.tensors.append((key, node))
-            return {"T": key}
+            return self._tensor(key or "tensor", node)
         if node is None or isinstance(node, bool | str):
             return node
         if isinstance(node, int):
@@ -68,15 +72,7 @@ class _Flattener:
         if isinstance(node, float):
             return {"f": float(node).hex()}
         if isinstance(node, Mapping):
-            items = []
-            for child, value in node.items():
-                if not isinstance(child, str | int) or isinstance(child, bool):
-                    raise TreeError(
-                        f"{_show(path)}: dict key {child!r} of type {type(child).__name__} is "
-                        "not supported (use str or int keys)"
-                    )
-                items.append([child, self._child(child, value, key)])
-            return {"d": items}
+            return self._mapping(node, key)
         if isinstance(node, list | tuple):
             encoded = [self._child(i, value, key) for i, value in enumerate(node)]
             return {"l" if isinstance(node, list) else "t": encoded}
@@ -86,13 +82,43 @@ class _Flattener:
             "bool, None)"
         )
 
+    def _mapping(self, node: Mapping[Any, Any], key: str) -> Any:
+        items = []
+        for child, value in node.items():
+            kind = type(child)
+            if kind is not str and kind is not int and (
+                not isinstance(child, str | int) or isinstance(child, bool)
+            ):
+                raise TreeError(
+                    f"{_show(self.path)}: dict key {child!r} of type {kind.__name__} is "
+                    "not supported (use str or int keys)"
+                )
+            items.append([child, self._child(child, value, key)])
+        return {"d": items}
+
     def _child(self, part: str | int, value: Any, parent: str) -> Any:
         """Encode one child; its flat key is the parent's plus ``.part``."""
         path = self.path
+        if self.owners is None and self.is_tensor(value) and len(path) < MAX_DEPTH:
+            key = parent + "." + str(part) if path else str(part)
+            self.tensors.append((key, value))
+            return {"T": key}
         path.append(part)
         encoded = self.walk(value, parent + "." + str(part) if len(path) > 1 else str(part))
         path.pop()
         return encoded
+
+    def _tensor(self, key: str, tensor: Any) -> dict[str, str]:
+        owners = self.owners
+        if owners is not None:
+            if key in owners:
+                raise TreeError(
+                    f"{_show(self.path)} and {_show(owners[key])} both flatten to key "
+                    f"{key!r}; rename one of them"
+                )
+            owners[key] = tuple(self.path)
+        self.tensors.append((key, tensor))
+        return {"T": key}
 
 
 def unflatten(encoded: Any, tensor: Callable[[str], Any]) -> Any:

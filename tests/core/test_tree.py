@@ -84,6 +84,40 @@ def test_colliding_flat_keys_are_refused() -> None:
         tree.flatten({"a": {"b": Leaf("1")}, "a.b": Leaf("2")}, is_leaf)
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            {"x": [Leaf("1"), Leaf("2")], "x.1": Leaf("3")},
+            "state_dict['x.1'] and state_dict['x'][1] both flatten to key 'x.1'",
+        ),
+        (
+            {"p": {"q": {"0": Leaf("a")}}, "p.q": [Leaf("b")]},
+            "state_dict['p.q'][0] and state_dict['p']['q']['0'] both flatten to key 'p.q.0'",
+        ),
+    ],
+)
+def test_colliding_flat_keys_name_both_paths_however_deep(value: object, message: str) -> None:
+    """Where each key came from is found only once a collision is known (a second walk)."""
+    with pytest.raises(tree.TreeError) as info:
+        tree.flatten(value, is_leaf)
+    assert str(info.value) == message + "; rename one of them"
+
+
+def _nested(levels: int, leaf: object) -> object:
+    for i in range(levels):
+        leaf = {f"k{i}": leaf}
+    return leaf
+
+
+def test_a_tensor_at_the_depth_limit_is_kept_and_one_level_deeper_is_refused() -> None:
+    _, [(key, _)] = tree.flatten(_nested(tree.MAX_DEPTH, Leaf("t")), is_leaf)
+    assert key == ".".join(f"k{i}" for i in reversed(range(tree.MAX_DEPTH)))
+    for deeper in (_nested(tree.MAX_DEPTH + 1, Leaf("t")), _nested(tree.MAX_DEPTH, [Leaf("t")])):
+        with pytest.raises(tree.TreeError, match="nesting deeper than 64 levels"):
+            tree.flatten(deeper, is_leaf)
+
+
 def test_flat_keys_are_the_path_joined_by_dots_even_with_empty_parts() -> None:
     _, tensors = tree.flatten({"": {"a": Leaf("1")}, "b": [Leaf("2"), {"": Leaf("3")}]}, is_leaf)
     assert [key for key, _ in tensors] == [".a", "b.0", "b.1."]
