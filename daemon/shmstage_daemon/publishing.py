@@ -187,7 +187,7 @@ class Publishing:
             frame.id,
             {"name": body["name"], "step": version.step, "subscribers": len(told)},
         )
-        self._checksum(version, session.peer.uid)  # after the answer: never in the stall
+        self._checksum_later([version], session.peer.uid)
 
     def _filled(
         self, body: dict[str, Any], staged: StagedLayout, slot: Slot
@@ -253,8 +253,16 @@ class Publishing:
             },
         )
         if version is not None:
-            for part in version.every_part:  # after the answer: never in the stall
-                self._checksum(part, session.peer.uid)
+            self._checksum_later(version.every_part, session.peer.uid)
+
+    def _checksum_later(self, parts: list[Version], uid: int) -> None:
+        """Start checksumming a visible version's parts after the publisher's answer (never
+        in its stall) and after the readers' wake-ups its publish spawned (held pins'
+        answers, "version" frames: queued on the loop first), so that no checksum thread
+        holds the GIL while they are sent."""
+        loop = asyncio.get_running_loop()
+        for part in parts:
+            loop.call_soon(self._checksum, part, uid)
 
     def _checked_shapes(self, shapes: Any, staged: StagedLayout) -> dict[str, list[int]]:
         """Each shard's global shape, checked against the layout: one per tensor that has

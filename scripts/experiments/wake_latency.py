@@ -4,6 +4,10 @@ just before (its checksums run in the daemon while the pings go), the daemon's c
 off, the daemon's GIL switch interval, and where the time goes (``--split``: the version
 frame's arrival at the reader against its ``pin`` round trip).
 
+The reader's ``wait()`` has the daemon hold its pin request until the version comes (the
+answer is the wake-up); ``--no-hold`` makes it wait for the announcement and pin then, as
+it did before, and as it does with a daemon that does not hold pins.
+
     PYTHONPATH=.:daemon:client:bench python3 scripts/experiments/wake_latency.py \
         --pings 500 --big 256MiB
 """
@@ -45,8 +49,9 @@ def _traced(owner, name):
             print("TRACE %.6f %s %.3f" % (t, name, 1000 * (time.time() - t)), file=sys.stderr)
             return r
     setattr(owner, name, functools.wraps(f)(g))
-for _n in ("publish", "pin", "_tell", "unpin"):
-    _traced(publishing.Publishing, _n)
+for _n in ("publish", "pin", "_tell", "unpin", "_wake", "_send_pinned"):
+    if hasattr(publishing.Publishing, _n):  # a daemon before held pins has no _wake
+        _traced(publishing.Publishing, _n)
 for _n in ("start", "_done"):
     _traced(versionsums.VersionSums, _n)
 _traced(versionsums, "compute")
@@ -77,10 +82,12 @@ class Daemon(PrivateDaemon):
         return [sys.executable, "-c", code, "--socket", self.requested or ""]
 
 
-def reader(socket: str, pipe: Any, split: bool) -> None:
+def reader(socket: str, pipe: Any, split: bool, hold: bool) -> None:
     from shmstage_client import subscribe
 
     ping = subscribe("ping", socket=socket)
+    if not hold:
+        ping._max_hold = None  # as with a daemon that holds no pins
     pipe.send("ready")
     while True:
         order = pipe.recv()
@@ -106,6 +113,8 @@ def main() -> None:
     p.add_argument("--no-sums", action="store_true", help="the daemon checksums nothing")
     p.add_argument("--switch", type=float, default=None, help="daemon's sys.setswitchinterval")
     p.add_argument("--split", action="store_true")
+    p.add_argument("--no-hold", action="store_true", help="the reader waits for the "
+                   "announcement, then pins (two round trips), as before held pins")
     p.add_argument("--trace", type=int, default=0, help="show the daemon's ops for the "
                    "first N pings and the slowest N")
     args = p.parse_args()
@@ -120,7 +129,8 @@ def main() -> None:
     socket = daemon.start()
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    child = context.Process(target=reader, args=(socket, theirs, args.split), daemon=True)
+    child = context.Process(target=reader, args=(socket, theirs, args.split, not args.no_hold),
+                            daemon=True)
     child.start()
     assert ours.poll(60) and ours.recv() == "ready"
     big = {"w": torch.randn(max(args.big // 4, 1))}
