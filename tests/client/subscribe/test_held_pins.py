@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from harness import RawClient, RunningDaemon, start_daemon, wait_for
 from shmstage_client import NoNewVersion, Stager, subscribe
+from shmstage_client.save.publish import Part, publish_flat
+from shmstage_client.statedict import Flattened
 
 from shmstage.control import ControlClient
 
@@ -105,6 +108,43 @@ def test_a_parked_wait_returns_the_version_pinned_by_its_one_request(
             assert subscriber._next_event(0) is None, "no announcement besides the pin"
             assert subscriber.newest == 2 and pins_on(socket, name) == 1
         assert pins_on(socket, name) == 0
+
+
+def test_a_held_pin_of_a_sharded_channel_is_answered_once_every_part_landed(
+    socket: str, name: str
+) -> None:
+    """Two ranks (two connections) publish the halves of ``w``: the held request is
+    answered by the pin of the whole version, when its last part makes it visible."""
+    ranks = [Stager(socket), Stager(socket)]
+
+    def part(rank: int, step: int) -> bool:
+        shard = {"w": torch.full((4,), float(10 * step + rank))}
+        published = publish_flat(
+            ranks[rank],
+            lambda: Flattened.of(shard, {"w": [4 * rank]}),
+            name,
+            step=step,
+            metadata=None,
+            share=(),
+            part=Part(rank, 2, {"w": [8]}),
+        )
+        return published.complete
+
+    def publish_both() -> None:
+        assert not part(0, 1) and pins_on(socket, name) == 0, "half a version pins nothing"
+        assert part(1, 1)
+
+    try:
+        with subscribe(name, socket=socket) as subscriber:
+            sent = on_held_pin(subscriber, publish_both)
+            with subscriber.wait(timeout=30) as version:
+                assert [op for op, _body in sent] == ["pin"] and pins_on(socket, name) == 1
+                assert (version.step, version.parts) == (1, 2)
+                assert version.state()["w"].tolist() == [10.0] * 4 + [11.0] * 4
+            assert pins_on(socket, name) == 0
+    finally:
+        for rank in ranks:
+            rank.close()
 
 
 def test_a_wait_that_times_out_pins_nothing_and_holds_nothing(socket: str, name: str) -> None:
