@@ -5,22 +5,12 @@ containers (the encoded tree, copy lists, the restored tensors and their views);
 collector on they trip full collections, each a traversal of every object in a torch
 process (~100 ms measured in a save; 80 ms in a new process's first restore of 500
 tensors), inside the time the caller waits. They are acyclic and freed by reference
-counting, so pausing loses nothing; a collector the caller disabled stays disabled.
+counting, so pausing loses nothing; a collector the caller disabled stays disabled. The
+daemon pauses it the same way (``shmstage.collection``) while it reads a large layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
+from shmstage.collection import collection_paused
 
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+__all__ = ["collection_paused"]

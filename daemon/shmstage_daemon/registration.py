@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from shmstage import segment
+from shmstage.collection import collection_paused
 from shmstage.layout import Layout
 from shmstage.protocol import ErrorCode, Frame
 from shmstage.segment import SegmentRef
@@ -89,9 +90,11 @@ class Registration:
         if self._stopping():
             raise RequestError(ErrorCode.SHUTTING_DOWN, "shmstaged is shutting down")
         began = time.perf_counter()
-        layout = Layout.from_wire(
-            frame.body["tensors"], max_tensors=self._store.limits.max_tensors_per_layout
-        )
+        with collection_paused():  # a burst of specs: no full collections in it
+            layout = Layout.from_wire(
+                frame.body["tensors"], max_tensors=self._store.limits.max_tensors_per_layout
+            )
+            layout.packing()  # where each tensor goes, computed once: the burst's other part
         slots = frame.body.get("slots", self._settings.default_slots)
         planned = frame.body.get("planned_slots", slots)
         self._store.check_slots(planned)
