@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage import datafile, names
+from shmstage.collection import collection_paused
 from shmstage.manifest import MANIFEST_NAME
 from shmstage.protocol import REPORT_PARTS, ErrorCode, Frame
 from shmstage_daemon import __version__, credentials, job, requests, retention
@@ -108,9 +109,10 @@ class Commits:
             staged = store.get(session.id, body["layout"])  # still there after the wait
             slot = store.slot(staged, body["slot"])
             file_metadata, metadata = requests.commit_contents(body)
-            packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
-            staged.tree = (packed_tree, tree)
-            header = staged.header(file_metadata)
+            with collection_paused():  # a new structure's tree and header: a burst
+                packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
+                staged.tree = (packed_tree, tree)
+                header = staged.header(file_metadata)
             ready = body.get("ready", True)
             prepared = None
             if not ready:
@@ -146,7 +148,8 @@ class Commits:
             peer=session.peer,
             entries=staged.entries.get(destination.data_file),
         )
-        wire = staged.wire(slot)
+        with collection_paused():  # a slot's first journal record: a burst
+            wire = staged.wire(slot)
         try:
             # The entry will hold about this frame and the slot's record: charged to the
             # user (max_journal_bytes) until the entry goes, so that nobody fills the
