@@ -151,8 +151,16 @@ def _decode(node: Any, tensor: Callable[[str], Any], rebuild: bool, depth: int =
         if tag == "d" and isinstance(value, list):
             depth += 1
             entries = {}
+            shallow = depth <= MAX_DEPTH + 1
             for pair in value:
-                child = _decode(_pair(pair), tensor, rebuild, depth)
+                if type(pair) is list and len(pair) == 2 and type(pair[0]) in _KEY_TYPES:
+                    node = pair[1]
+                else:
+                    node = _pair(pair)
+                if shallow and type(node) is dict and len(node) == 1 and type(node.get("T")) is str:
+                    child = tensor(node["T"])  # the usual entry, as the call below decodes it
+                else:
+                    child = _decode(node, tensor, rebuild, depth)
                 if rebuild:
                     entries[pair[0]] = child
             return entries if rebuild else None
@@ -207,6 +215,10 @@ def _float(text: str) -> float:
         return float.fromhex(text)
     except (ValueError, OverflowError) as exc:
         raise TreeError(f"malformed float tag {text!r:.40}: {exc}") from None
+
+
+#: Dict keys ``_pair`` accepts, by exact type (a bool is an int, and is refused).
+_KEY_TYPES: Final = (str, int)
 
 
 def _pair(pair: Any) -> Any:

@@ -156,6 +156,48 @@ def test_malformed_encodings_are_rejected() -> None:
             tree.unflatten(bad, lambda k: None)
 
 
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ([True, {"T": "k"}], "malformed dict entry [True,"),
+        ([1.5, {"T": "k"}], "malformed dict entry [1.5,"),
+        (("k", {"T": "k"}), "malformed dict entry ('k',"),
+        (["k"], "malformed dict entry ['k']"),
+        (["k", {"T": 5}], "malformed structure node {'T': 5}"),
+        (["k", {"T": None}], "malformed structure node {'T': None}"),
+        (["k", {"T": "k", "x": 1}], "malformed structure node {'T': 'k', 'x': 1}"),
+    ],
+)
+def test_a_malformed_entry_among_tensor_entries_is_refused_by_every_decoder(
+    entry: object, message: str
+) -> None:
+    """The daemon checks each commit's tree (``tensor_keys``): the usual entries, a key and
+    a tensor reference, are recognised in one step, and anything else decoded in full."""
+    good = [[f"g{i}", {"T": f"g{i}"}] for i in range(5)]
+    for decode in (tree.tensor_keys, lambda node: tree.unflatten(node, lambda k: k)):
+        with pytest.raises(tree.TreeError) as info:
+            decode({"d": [*good, entry]})
+        assert str(info.value).startswith(message)
+    mixed = {"d": [*good, [7, {"T": "seven"}], ["f", {"f": "0x1p+0"}], ["n", None]]}
+    assert tree.tensor_keys(mixed) == [*(f"g{i}" for i in range(5)), "seven"]
+    assert tree.unflatten(mixed, str.upper) == {
+        **{f"g{i}": f"G{i}" for i in range(5)}, 7: "SEVEN", "f": 1.0, "n": None
+    }
+
+
+def test_a_tensor_entry_past_the_depth_limit_is_refused_by_every_decoder() -> None:
+    def nested(levels: int) -> object:
+        node: object = {"T": "deep"}
+        for i in range(levels):
+            node = {"d": [[f"k{i}", node]]}
+        return node
+
+    for decode in (tree.tensor_keys, lambda node: tree.unflatten(node, lambda k: k)):
+        decode(nested(tree.MAX_DEPTH + 1))
+        with pytest.raises(tree.TreeError, match="nested deeper than the format allows"):
+            decode(nested(tree.MAX_DEPTH + 2))
+
+
 def test_the_tree_points_at_the_value_a_predicate_picks() -> None:
     encoded, _ = tree.flatten({"a": [1, {"b": 2, 3: "c"}], "d": None}, lambda v: False)
     assert tree.find(encoded, lambda v: v == "c") == ["a", 1, 3]
