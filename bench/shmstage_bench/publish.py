@@ -6,10 +6,12 @@ measured in the same run:
 * the raw pinned copies of the same bytes: device-to-host (what ``publish()`` must do)
   and host-to-device (what a reader must do);
 * ``publish()``'s stall (its layout reserved beforehand, as a trainer's loop would);
-* a new subscriber's first version on its device (it maps the slot and registers it
-  with CUDA read-only) against the raw host-to-device copy + 0.05 s/GiB, and later
-  versions, both slots of the ring already mapped and registered (from the third on),
-  against the raw copy alone;
+* a new subscriber's first version on its device (it maps the slot and copies it through
+  its pinned staging, then registers the slot with CUDA read-only in the background)
+  against the raw host-to-device copy + 0.05 s/GiB; the seconds until both slots of the
+  ring are registered after the second version (``ring_settle_s``: a version that comes
+  sooner is copied through the staging as the first was); and later versions, the ring
+  registered (from the third on), against the raw copy alone;
 * the same first version read by a subscriber that prepared before the first publish
   (the publisher offered its reserved layout, ``Stager.offer``; the subscriber mapped and
   registered every slot, ``Subscriber.prepare``), against the same two limits;
@@ -127,6 +129,10 @@ def reader(socket: str, device_name: str, pipe: Any) -> None:
             held = None
             pipe.send(_timed_read(early, order[1], device)[0])  # its state goes at once
             early.close()  # its registrations go: the rest of the run is as before
+        elif order[0] == "settle":  # wait until every slot mapped is registered
+            started = time.perf_counter()
+            big.prepare(device, timeout=120, block=True)
+            pipe.send(time.perf_counter() - started)
         elif order[0] == "stream":
             with big.wait(timeout=120) as version:
                 started = time.perf_counter()
@@ -210,6 +216,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if step == 1:  # after the cold reader, as a second reader of step 1
                     ours.send(("early", step))
                     early = _recv(ours)
+                elif step == 2:  # the ring's slots register after their first versions
+                    ours.send(("settle",))
+                    out["ring_settle_s"] = _recv(ours)
             out["publish_stall_s"] = statistics.median(stalls[1:] or stalls)
             out["first_version_s"] = reads[0]["total"]
             out["first_version_pin_s"] = reads[0]["pin"]
