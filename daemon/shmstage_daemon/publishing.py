@@ -1,5 +1,5 @@
 """Publishing and subscribing: the conversation of ``channels`` (publish, subscribe, pin,
-unpin, ring, offer).
+unhold, unpin, checksums, ring, offer).
 
 A publisher's "publish" turns the slot it filled (or the slot of a save it just committed)
 into its channel's newest version; every subscriber's connection is told at once by a

@@ -2,7 +2,8 @@
 with what might be busy meanwhile varied: a large version published on another channel
 just before (its checksums run in the daemon while the pings go), the daemon's checksums
 off, the daemon's GIL switch interval, and where the time goes (``--split``: the version
-frame's arrival at the reader against its ``pin`` round trip).
+frame's arrival at the reader against its ``pin`` round trip — the announced path: the
+reader waits for the frame first, so the daemon holds no pin for it).
 
 The reader's ``wait()`` has the daemon hold its pin request until the version comes (the
 answer is the wake-up); ``--no-hold`` makes it wait for the announcement and pin then, as

@@ -301,8 +301,8 @@ class Subscriber:
                 raise
             except SaveError:  # the daemon hung or went: no answer comes to settle
                 raise
-            except BaseException:  # KeyboardInterrupt while held: leave nothing held
-                if hold:
+            except BaseException:  # KeyboardInterrupt: leave nothing held, nothing pinned
+                if self._max_hold is not None:  # a daemon that knows "unhold"
                     self._unhold(handle)
                 raise
             if reply.op == "no_newer":
@@ -314,10 +314,10 @@ class Subscriber:
             handle.finish()
 
     def _unhold(self, handle: RequestHandle) -> None:
-        """Settle a held pin request that this subscriber stopped waiting in: the daemon
-        answers it "no_newer" at once — or it was answered meanwhile, and a pin that came
-        is taken (its slots mapped, as the daemon now counts them sent here) and ended,
-        never left behind for the pin's whole time."""
+        """Settle a pin request that this subscriber stopped waiting in: the daemon
+        answers it "no_newer" at once if it holds it — or it was answered meanwhile, and a
+        pin that came is taken (its slots mapped, as the daemon now counts them sent here)
+        and ended, never left behind for the pin's whole time."""
         unheld = self._connection.start("unhold", {"request": handle.id})
         try:
             answer = handle.next(REQUEST_TIMEOUT)  # its one answer, whichever it is
