@@ -8,11 +8,13 @@ measured in the same run:
 * ``publish()``'s stall (its layout reserved beforehand, as a trainer's loop would);
 * a new subscriber's first version on its device (it maps the slot and copies it through
   its pinned staging, then registers the slot with CUDA read-only in the background)
-  against the raw host-to-device copy + 0.05 s/GiB; the seconds until both slots of the
-  ring are registered after the second version (``ring_settle_s``: a version that comes
-  sooner is copied through the staging as the first was); and later versions, the ring
-  registered (from the third on), against the raw copy alone;
+  against the raw host-to-device copy + 0.05 s/GiB; the seconds until each slot is
+  registered after its first version was read (``slot_1_settle_s``, ``slot_2_settle_s``:
+  a version that comes sooner is copied through the staging as the first was); and later
+  versions, the ring registered (from the third on), against the raw copy alone;
 * the same first version read by a subscriber that prepared before the first publish
+  (once the first subscriber's registration of that slot ended: the driver serialises
+  registrations and copies)
   (the publisher offered its reserved layout, ``Stager.offer``; the subscriber mapped and
   registered every slot, ``Subscriber.prepare``), against the same two limits;
 * commit-to-wake-up: from the publisher sending "publish" (a tiny state) to the
@@ -213,12 +215,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 stalls.append(published.timings.stall_seconds)
                 ours.send(("version", step))
                 reads.append(_recv(ours))
-                if step == 1:  # after the cold reader, as a second reader of step 1
+                if step <= 2:  # each slot registers after its first version is read
+                    ours.send(("settle",))
+                    out[f"slot_{step}_settle_s"] = _recv(ours)
+                if step == 1:  # as a second reader of step 1, alone on the driver by now
                     ours.send(("early", step))
                     early = _recv(ours)
-                elif step == 2:  # the ring's slots register after their first versions
-                    ours.send(("settle",))
-                    out["ring_settle_s"] = _recv(ours)
             out["publish_stall_s"] = statistics.median(stalls[1:] or stalls)
             out["first_version_s"] = reads[0]["total"]
             out["first_version_pin_s"] = reads[0]["pin"]
