@@ -13,8 +13,8 @@ measured in the same run:
   a version that comes sooner is copied through the staging as the first was); and later
   versions, the ring registered (from the third on), against the raw copy alone;
 * the same first version read by a subscriber that prepared before the first publish
-  (once the first subscriber's registration of that slot ended: the driver serialises
-  registrations and copies)
+  (once the first subscriber's registration of that slot ended: a registration running
+  beside a copy slowed it)
   (the publisher offered its reserved layout, ``Stager.offer``; the subscriber mapped and
   registered every slot, ``Subscriber.prepare``), against the same two limits;
 * commit-to-wake-up: from the publisher sending "publish" (a tiny state) to the
@@ -218,7 +218,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if step <= 2:  # each slot registers after its first version is read
                     ours.send(("settle",))
                     out[f"slot_{step}_settle_s"] = _recv(ours)
-                if step == 1:  # as a second reader of step 1, alone on the driver by now
+                if step == 1:  # as a second reader of step 1, no registration running
                     ours.send(("early", step))
                     early = _recv(ours)
             out["publish_stall_s"] = statistics.median(stalls[1:] or stalls)
