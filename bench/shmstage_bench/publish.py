@@ -13,8 +13,8 @@ measured in the same run:
   a version that comes sooner is copied through the staging as the first was); and later
   versions, the ring registered (from the third on), against the raw copy alone;
 * the same first version read by a subscriber that prepared before the first publish
-  (once the first subscriber's registration of that slot ended: a registration running
-  beside a copy slowed it)
+  (once the first subscriber's registration of that slot ended, so that the two do not
+  share the host)
   (the publisher offered its reserved layout, ``Stager.offer``; the subscriber mapped and
   registered every slot, ``Subscriber.prepare``), against the same two limits;
 * commit-to-wake-up: from the publisher sending "publish" (a tiny state) to the
