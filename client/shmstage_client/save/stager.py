@@ -42,7 +42,7 @@ import torch
 
 from shmstage_client import handoff
 from shmstage_client.collection import collection_paused
-from shmstage_client.connection import DaemonConnection, RequestHandle
+from shmstage_client.connection import DaemonConnection, RequestHandle, receivable_fds
 from shmstage_client.errors import SaveError, SaveTimeout
 from shmstage_client.save.deferred_copy import DeferredCopy
 from shmstage_client.save.destination import (
@@ -138,6 +138,11 @@ class Stager:
         self._connection = adopted.connection if adopted is not None else DaemonConnection(
             socket, client_name=f"shmstage-client pid {os.getpid()}"
         )
+        # The descriptor table grown now for the batches of segments a first save receives:
+        # growing it waits for an RCU grace period (``shmstage.descriptors``: 5-8 ms), which
+        # the first save's stall would pay. Too few descriptors: that save says so.
+        with contextlib.suppress(SaveError):
+            receivable_fds()
         #: After each save: its report to the daemon, then the next spare, in that order.
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="shmstage-background"

@@ -440,6 +440,27 @@ except SaveError as exc:
     assert not (ckpt / "c").exists()
 
 
+def test_a_stager_grows_its_descriptor_table_before_its_first_save(
+    module_daemon, ckpt: Path, fork_server
+) -> None:
+    """In a process with threads each growth of the table waits for an RCU grace period
+    (``shmstage.descriptors``): a Stager grows it when made, so that its first save's
+    registration finds room for two batches of segments already."""
+    code = """
+import os, sys
+from shmstage import descriptors
+from shmstage.protocol import MAX_FDS_PER_FRAME
+from shmstage_client import Stager
+before = descriptors.table_size()
+with Stager(sys.argv[1]):
+    in_use = len(os.listdir("/proc/self/fd"))
+    print(before, descriptors.table_size(), in_use + 2 * MAX_FDS_PER_FRAME)
+"""
+    stdout, stderr = _trainer(code, module_daemon, ckpt)
+    before, size, need = map(int, stdout.split())
+    assert before < need <= size, stderr[-2000:]
+
+
 def test_a_large_layout_is_created_on_several_threads_and_saved_exactly(daemon, ckpt: Path) -> None:
     """Above segment.PARALLEL_MIN_BYTES per thread the daemon reserves segments on several
     threads (and a CUDA client pins them so): every segment still lands in its place."""
