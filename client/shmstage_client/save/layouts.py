@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shmstage import segment
+from shmstage.collection import collect_young
 from shmstage.layout import Layout
 from shmstage_client.connection import DaemonConnection, RequestHandle, receivable_fds
 from shmstage_client.errors import DaemonLost, SaveError
@@ -216,6 +217,7 @@ class Layouts:
             mapped = MappedLayout.receiving(0, layout, request["slots"])
             if meanwhile is not None and groups is not None and mapped.slot_count:
                 _while_waiting(meanwhile, mapped.announced_views(0), groups, layout)
+            collect_young()  # what the save made so far, not when it returns (``collection``)
             reply = handle.next(timeout)
             mapped.id = reply.body["layout"]
             if reply.body["slots"] < mapped.slot_count:
