@@ -7,7 +7,8 @@ the GPU (the reference is then ``_foreach_copy_`` into pinned host tensors, sync
 For each ``--tensors`` count, in one process, against a real shmstaged it starts (or
 ``--socket``):
 
-- ``first``: the first save of the structure (registration, mapping, the first slot's setup);
+- ``first``: the first save of the structure (registration, mapping, the first slot's setup),
+  and its parts as ``SaveTimings`` names them;
 - ``steady``: the median stall of ``--repeats`` later saves (``save()`` returns: the copy
   done and the daemon's answer in), each waited durable before the next, so that the
   daemon's writer does not run beside the next stall;
@@ -186,6 +187,9 @@ def measure(count: int, args: argparse.Namespace, socket: str, pid: int | None, 
             shutil.rmtree(path, ignore_errors=True)
             if i == 0:
                 row["first_s"] = stall
+                row["first_parts_ms"] = {
+                    part: getattr(handle.timings, f"{part}_seconds") * 1e3 for part in PARTS
+                }
             else:
                 stalls.append(stall)
                 for part in PARTS:
@@ -247,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['foreach_s'] * 1e3:.1f} ms: {row['ratio']:.2f}x{rss}",
                 flush=True,
             )
-            print(
-                "         steady parts (median ms): "
-                + ", ".join(f"{part} {ms:.1f}" for part, ms in row["parts_ms"].items()),
-                flush=True,
-            )
+            for what, parts in (
+                ("first save parts (ms)", row["first_parts_ms"]),
+                ("steady parts (median ms)", row["parts_ms"]),
+            ):
+                print(
+                    f"         {what}: " + ", ".join(f"{p} {ms:.1f}" for p, ms in parts.items()),
+                    flush=True,
+                )
     finally:
         if daemon is not None:
             daemon.terminate()
