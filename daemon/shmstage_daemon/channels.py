@@ -43,6 +43,15 @@ uid's ``name``. The rules:
   handed back: nothing of it is ever visible. Readers pin a sharded version as one (every
   part's slot pinned together). The step rules are a version's: a part of a step not newer
   than the newest visible one is refused.
+- *Saved parts.* A rank of a sharded trainer that checkpoints (DCP through
+  ``ShmStageWriter``) publishes the slot its commit just handed to a job as its part
+  (``job``): the same bytes, no second copy. Such a slot is the job's, never the
+  connection's: a dropped step gives nothing back (the job frees the slot when its file is
+  written), and the part counts as arrived only while the slot still holds that job's
+  checkpoint (``Slot.held``: a failed job, or a slot the job freed and the trainer
+  acquired again, fails its step as a released layout does). Once visible, the job goes
+  on writing the slot a reader may pin, as ``save(..., publish=)``'s does: a pinned slot
+  is never acquired, whether its job ended well or not.
 - *Rings ahead.* A reader may map every slot of the followed channel's ring before it pins
   a version (``ring_of``: the layout of its newest version, or the layout its publisher
   offered ahead of the first, ``offer``), so that its first version costs the copy
@@ -298,12 +307,15 @@ class Channels:
         shapes: dict[str, list[int]],
         packed_tree: bytes = b"",
         share: Collection[int] = (),
+        job: int | None = None,
     ) -> tuple[Version | None, list[Subscription]]:
         """Part ``part`` of ``count`` of version ``step`` (see *Parts*): ``slot``, filled by
-        ``session`` and still FILLING, its. Returns (None, []) while parts are missing; the
-        part that completes the version gets it and the subscriptions to tell, every
-        part's slot handed back holding its part. ``within``: seconds from a step's first
-        part until it is dropped unless complete."""
+        ``session`` and still FILLING, its — or, with ``job``, the slot that job of
+        ``session``'s persists (*Saved parts*; the caller checked that it holds the job's
+        checkpoint). Returns (None, []) while parts are missing; the part that completes
+        the version gets it and the subscriptions to tell, every FILLING part's slot handed
+        back holding its part. ``within``: seconds from a step's first part until it is
+        dropped unless complete."""
         if not (0 < count <= MAX_PARTS and 0 <= part < count):
             raise StoreError(
                 ErrorCode.BAD_REQUEST,
@@ -339,26 +351,28 @@ class Channels:
         channel.part_sessions[part] = session
         assembly.parts[part] = self._version(
             channel, step, staged, slot, tree, metadata, packed_tree,
-            part=part, shapes=shapes, session=session,
+            part=part, shapes=shapes, session=session, job=job,
         )
         if len(assembly.parts) < count:
             return None, []
         self._forget_assembly(channel, assembly)
         parts = [assembly.parts[index] for index in range(count)]
-        gone = [part.part for part in parts if not self._filling(part)]
+        gone = [part.part for part in parts if not self._waiting(part)]
         if gone:  # the arriving part's slot stays its publisher's, as for any refusal
             self._give_back(other for other in parts if other.slot is not slot)
             raise StoreError(
                 ErrorCode.NOT_RETAINED,
                 f"step {step} of channel {name!r} is dropped: the slot of part(s) {gone} "
                 "was given up before every part arrived (its publisher released its "
-                f"layout); nothing of step {step} is visible — publish the next step",
+                "layout, or its checkpoint failed or was refilled); nothing of step "
+                f"{step} is visible — publish the next step",
             )
         head = parts[0]
         head.parts = parts
         for each in parts:
             each.slot.version = each
-            self._store.release_slot(each.session, each.staged, each.slot)
+            if each.job is None:  # a saved part's slot stays its job's until written
+                self._store.release_slot(each.session, each.staged, each.slot)
         return head, self._visible(channel, head, assembly.share)
 
     def offer(
@@ -451,20 +465,28 @@ class Channels:
                 self._prune(other)  # a publisher naming a new channel each time hoards nothing
         return told
 
-    def _filling(self, part: Version) -> bool:
-        """Whether a waiting part's slot is still being held by the connection that filled
-        it (not given up with its layout or its connection)."""
+    def _waiting(self, part: Version) -> bool:
+        """Whether a waiting part's slot still holds it: held by the connection that filled
+        it, or (a saved part) still holding its job's checkpoint — not given up with its
+        layout or its connection, not failed, not acquired again."""
         staged, slot = part.staged, part.slot
-        return (
-            slot.state is SlotState.FILLING
-            and slot.holder == part.session
-            and not staged.released
-            and self._store.layouts.get(staged.id) is staged
-        )
+        if staged.released or self._store.layouts.get(staged.id) is not staged:
+            return False
+        if part.job is not None:
+            held = slot.held
+            return held is not None and held.job == part.job
+        return self._filling(part)
+
+    @staticmethod
+    def _filling(part: Version) -> bool:
+        slot = part.slot
+        return slot.state is SlotState.FILLING and slot.holder == part.session
 
     def _give_back(self, parts: Iterable[Version]) -> None:
+        """Hand back the slots of a dropped step's parts that their connections still
+        hold; a saved part's slot is its job's, which frees it once written."""
         for part in parts:
-            if self._filling(part):
+            if part.job is None and self._waiting(part):
                 self._store.release_slot(part.session, part.staged, part.slot)
 
     def _forget_assembly(self, channel: Channel, assembly: Assembly) -> None:

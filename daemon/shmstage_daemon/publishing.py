@@ -30,9 +30,11 @@ and its clients pin as before.
 
 A sharded publisher's ranks each publish a *part* (``parts``, ``part``, ``shapes``: each
 shard's global shape by flat key, ``within``): the answer says whether that part made
-the version visible. A pin of a sharded version answers with every part's ring, slot,
-structure and tree (``parts``), and each part's segments follow in "ring_fds" frames
-naming the part; the connection keeps what it was sent per ring and per part.
+the version visible. A rank that checkpoints publishes the slot of its commit as its part
+(``job``, as ``save(..., publish=)`` does; ``metadata`` then overrides the commit's). A
+pin of a sharded version answers with every part's ring, slot, structure and tree
+(``parts``), and each part's segments follow in "ring_fds" frames naming the part; the
+connection keeps what it was sent per ring and per part.
 """
 
 from __future__ import annotations
@@ -152,18 +154,7 @@ class Publishing:
             await self._publish_part(frame, staged, slot, share)
             return
         if "job" in body:  # save(..., publish=): the committed slot, as the commit named it
-            held = slot.held
-            if held is None or held.job != body["job"]:
-                raise RequestError(
-                    ErrorCode.SLOT_NOT_OWNED,
-                    f"slot {slot.index} of layout {staged.id} does not hold job "
-                    f"{body['job']} (never committed, or refilled since); publish right "
-                    "after the save",
-                )
-            tree, metadata = held.tree, held.metadata
-            packed_tree = b""  # packed again from the decoded tree, unless the commit's is
-            if staged.tree is not None and staged.tree[1] is tree:
-                packed_tree = staged.tree[0]
+            packed_tree, tree, metadata = self._saved(body, staged, slot)
         else:
             packed_tree, tree, metadata = self._filled(body, staged, slot)
         version, told = self._channels.publish(
@@ -189,6 +180,39 @@ class Publishing:
         )
         self._checksum_later([version], session.peer.uid)
 
+    def _saved(
+        self, body: dict[str, Any], staged: StagedLayout, slot: Slot
+    ) -> tuple[bytes, Any, dict[str, Any]]:
+        """A publish of the slot a commit of this connection's just handed to its job
+        (``body["job"]``): the commit's tree, and its metadata unless the publish gives the
+        readers' own. Only a slot of this connection's layouts that still holds that very
+        job's checkpoint: a job id of anyone else's, or of a slot refilled since, is
+        refused."""
+        held = slot.held
+        if held is None or held.job != body["job"]:
+            raise RequestError(
+                ErrorCode.SLOT_NOT_OWNED,
+                f"slot {slot.index} of layout {staged.id} does not hold job "
+                f"{body['job']!r:.40} (never committed by this client, or refilled since); "
+                "publish right after the save, naming its own job",
+            )
+        tree, metadata = held.tree, held.metadata
+        if "metadata" in body:
+            metadata = self._checked_metadata(body["metadata"])
+        packed_tree = b""  # packed again from the decoded tree, unless the commit's is
+        if staged.tree is not None and staged.tree[1] is tree:
+            packed_tree = staged.tree[0]
+        return packed_tree, tree, metadata
+
+    @staticmethod
+    def _checked_metadata(metadata: Any) -> dict[str, Any]:
+        if not isinstance(metadata, dict):
+            raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata must be a map")
+        if len(metadata) > requests.MAX_METADATA_ENTRIES:
+            raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata has too many entries")
+        requests.check_json(metadata, "publish.metadata")
+        return metadata
+
     def _filled(
         self, body: dict[str, Any], staged: StagedLayout, slot: Slot
     ) -> tuple[bytes, Any, dict[str, Any]]:
@@ -205,23 +229,18 @@ class Publishing:
         metadata = body.get("metadata", {})
         packed_tree, tree = requests.commit_tree(body["tree"], staged.layout, staged.tree)
         staged.tree = (packed_tree, tree)
-        if len(metadata) > requests.MAX_METADATA_ENTRIES:
-            raise RequestError(ErrorCode.BAD_REQUEST, "publish.metadata has too many entries")
-        requests.check_json(metadata, "publish.metadata")
-        return packed_tree, tree, metadata
+        return packed_tree, tree, self._checked_metadata(metadata)
 
     async def _publish_part(
         self, frame: Frame, staged: StagedLayout, slot: Slot, share: list[int]
     ) -> None:
-        """One rank's part of a sharded version (``channels``'s *Parts*)."""
+        """One rank's part of a sharded version (``channels``'s *Parts*): the slot it
+        filled, or the slot its commit ``job`` just handed over (*Saved parts*)."""
         body, session = frame.body, self._session
         if "job" in body:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                "save(..., publish=) publishes one process's checkpoint; a sharded version "
-                "is published by each rank's publish of its part",
-            )
-        packed_tree, tree, metadata = self._filled(body, staged, slot)
+            packed_tree, tree, metadata = self._saved(body, staged, slot)
+        else:
+            packed_tree, tree, metadata = self._filled(body, staged, slot)
         shapes = self._checked_shapes(body.get("shapes", {}), staged)
         version, told = self._channels.publish_part(
             session.peer.uid,
@@ -238,6 +257,7 @@ class Publishing:
             shapes=shapes,
             packed_tree=packed_tree,
             share=share,
+            job=body.get("job"),
         )
         if version is not None:
             for subscription in told:

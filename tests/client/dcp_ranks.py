@@ -343,7 +343,109 @@ def scenario_guarded(r: Rank) -> None:
     r.finish()
 
 
+def wait_file(path: Path, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.02)
+
+
+def save_local_part(r: Rank, trainer: Trainer, name: str) -> None:
+    """This rank's shards of every tensor, by DCP's flat key: what its part must hold."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.tensor import DTensor
+
+    flat, _mappings = flatten_state_dict(trainer.state())
+    local = {
+        key: (value.to_local() if isinstance(value, DTensor) else value).clone()
+        for key, value in flat.items()
+        if isinstance(value, torch.Tensor)
+    }
+    torch.save(local, r.work / f"local-{r.rank}-{name}.pt")
+
+
+def scenario_publish(r: Rank) -> None:
+    """Each save also publishes its slots as the parts of a version (``publish_next``):
+    step 1 through async_save, then (once the test holds step 1 pinned) step 2 through
+    dcp.save and step 3 through async_save again; every checkpoint loads back bit-exactly
+    with the stock HF reader."""
+    ckpt = r.work / "ckpt-publish"
+    trainer = r.trainer()
+    writer = ShmStageWriter(socket=r.socket, slots=2)
+    for step in (1, 2, 3):
+        trainer.step()
+        r.expect(f"pub-{step}", trainer)
+        save_local_part(r, trainer, f"pub-{step}")
+        writer.publish_next(
+            "dcp-policy", step=step, metadata={"loss": step / 10},
+            process_group=r.checkpoint_group,
+        )  # fmt: skip
+        if step == 2:
+            dcp.save(
+                trainer.state(),
+                checkpoint_id=ckpt / f"step-{step}",
+                storage_writer=writer,
+                process_group=r.checkpoint_group,
+            )
+        else:
+            future = dcp.async_save(
+                trainer.state(),
+                checkpoint_id=ckpt / f"step-{step}",
+                storage_writer=writer,
+                process_group=r.checkpoint_group,
+            )
+            trainer.step()  # mutate every tensor while the save is in flight
+            future.result(timeout=TIMEOUT)
+        assert writer.last_published is not None and writer.last_published.step == step
+        r.result[f"complete-{step}"] = writer.last_published.complete
+        r.signal(f"saved-{step}")
+        if step == 1:
+            wait_file(r.work / "go-2")  # the test holds step 1 pinned from here on
+        dist.barrier()
+    wait_file(r.work / "read-3")  # a publisher's versions go with its connection
+    writer.close()
+    for step in (1, 2, 3):
+        fresh = r.trainer()
+        fresh.load(HuggingFaceStorageReader(str(ckpt / f"step-{step}")), tensors_only=True)
+        r.check_full(f"pub-{step}", fresh, tensors_only=True)
+    r.finish()
+
+
+def scenario_publish_rank_dies(r: Rank) -> None:
+    """Rank 1 dies in its write_data, before its commit and part: rank 0's part of step 1
+    waits (2 s) and is dropped; its file is written durable all the same."""
+    trainer = r.trainer()
+    writer = ShmStageWriter(socket=r.socket)
+    writer.publish_next("dcp-dies", step=1, within=2.0, process_group=r.checkpoint_group)
+    if r.rank == 1:
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os._exit(17)
+
+        writer.write_data = die  # type: ignore[method-assign]
+    trainer.step()
+    try:
+        dcp.save(
+            trainer.state(),
+            checkpoint_id=r.work / "ckpt-dies",
+            storage_writer=writer,
+            process_group=r.checkpoint_group,
+        )
+        r.result["saved"] = True
+    except Exception as exc:  # rank 1 is gone: DCP's gather of results fails
+        r.result["saved"] = repr(exc)[:200]
+    assert writer.last_result is not None, "rank 0's file was not reported durable"
+    assert writer.last_published is not None
+    r.result["complete"] = writer.last_published.complete
+    r.result["durable"] = [str(writer.last_result.path / f) for f in writer.last_result.files]
+    (r.work / f"result-{r.rank}.json").write_text(json.dumps(r.result))
+    wait_file(r.work / "exit")  # connected until the test saw the step dropped by time
+    os._exit(0)  # no collective at exit: rank 1 is gone
+
+
 SCENARIOS = {
+    "publish": scenario_publish,
+    "publish_rank_dies": scenario_publish_rank_dies,
     "guarded": scenario_guarded,
     "world_size_4": scenario_world_size_4,
     "world_size_2": scenario_world_size_2,

@@ -13,7 +13,7 @@ import pytest
 from shmstage_daemon.admission import Peer
 from shmstage_daemon.channels import Channels, Dropped, Version
 from shmstage_daemon.retention import RetentionPolicy
-from shmstage_daemon.slot import Slot, SlotState
+from shmstage_daemon.slot import Held, Slot, SlotState
 from shmstage_daemon.store import Limits, Store, StoreError
 
 from shmstage.layout import Layout, TensorSpec
@@ -459,3 +459,87 @@ def test_an_offered_ring_is_the_channels_before_its_first_version_and_may_be_sha
     world.store.mark_released(world.staged)
     world.channels._prune(world.channels.channels[(UID, "other")])
     assert world.channels.channels == {}
+
+
+# -- saved parts: a checkpointing rank's committed slot as its part ---------------------
+
+
+class SavingRanks(Ranks):
+    """The two ranks checkpoint (DCP through ShmStageWriter): each commits its slot to a
+    job and publishes that slot as its part, while the job persists it."""
+
+    def saved_part(self, rank: int, step: int, within: float = 60.0) -> tuple[Version | None, Slot]:
+        session, staged = (PUBLISHER, RANK1)[rank], self.layouts[rank]
+        slot = self.store.try_acquire(session, staged)
+        assert slot is not None, f"rank {rank} has no free slot"
+        job = self.store.begin_job(session, staged, slot)
+        slot.held = Held(  # what retention.remember sets once the commit is acknowledged
+            job, UID, 2048, 0.0, (0, job), (0, 0), None, "/ckpt", "rank.safetensors",
+            {"w": {"T": "w"}}, {"dcp": {"rank": rank}},
+        )  # fmt: skip
+        version, _told = self.channels.publish_part(
+            UID, "policy", step, staged, slot, session=session, part=rank, count=2,
+            within=within, tree={"w": {"T": "w"}}, metadata={"step": step},
+            shapes={"w": [1024]}, job=job,
+        )  # fmt: skip
+        return version, slot
+
+    def job_ends(self, rank: int, slot: Slot, ok: bool = True) -> None:
+        """What Jobs._done does: a failed job's slot holds no checkpoint any more."""
+        assert slot.job is not None
+        if not ok:
+            slot.held = None
+        self.store.end_job((PUBLISHER, RANK1)[rank], self.layouts[rank], slot, slot.job)
+
+
+def test_saved_parts_make_a_version_while_their_jobs_still_persist_the_slots() -> None:
+    ranks = SavingRanks()
+    channel = ranks.channels.by_id[ranks.follow(PUBLISHER + 10, OWNER)]
+    version, slot0 = ranks.saved_part(0, 1)
+    assert version is None and slot0.state is SlotState.PERSISTING
+    version, slot1 = ranks.saved_part(1, 1)
+    assert version is not None and ranks.channels.newest(channel) is version
+    assert [part.job for part in version.every_part] == [slot0.job, slot1.job]
+    assert slot0.state is slot1.state is SlotState.PERSISTING, "still the jobs' slots"
+    assert slot0.version is version and slot1.version is version.parts[1]
+    pin = ranks.channels.pin(PUBLISHER + 10, OWNER, channel.id, None, None, now=0.0)
+    ranks.job_ends(0, slot0)
+    ranks.job_ends(1, slot1, ok=False)  # a failed job: the pinned bytes stay as they are
+    assert ranks.channels.current(version)
+    for rank in (0, 1):  # the pinned slots are never handed out: the other one is
+        (session, staged) = ((PUBLISHER, RANK1)[rank], ranks.layouts[rank])
+        assert ranks.store.try_acquire(session, staged) is staged.slots[1]
+    ranks.channels.unpin(PUBLISHER + 10, pin.id)
+    assert ranks.freed == [slot0, slot1]
+
+
+def test_a_dropped_step_never_frees_a_slot_its_job_still_writes() -> None:
+    ranks = SavingRanks()
+    channel = ranks.channels.by_id[ranks.follow(PUBLISHER + 10, OWNER)]
+    _none, saved = ranks.saved_part(0, 1)
+    ranks.timers.fire_all()  # rank 1's part never came: the step's time ran out
+    assert not channel.assembling and ranks.channels.newest(channel) is None
+    assert saved.state is SlotState.PERSISTING and saved.held is not None, "the job's still"
+    _none, again = ranks.saved_part(0, 2)
+    ranks.channels.end_session(PUBLISHER)  # rank 0 died with its part of step 2 waiting
+    assert again.state is SlotState.PERSISTING and again.held is not None
+    assert [d.why for d in ranks.dropped] == [
+        "its 60 s ran out", "a publishing rank's connection ended"
+    ]
+    ranks.job_ends(0, saved)  # the jobs free their slots once written, as ever
+    assert saved.state is SlotState.FREE and saved.version is None
+
+
+def test_a_saved_part_whose_job_failed_or_whose_slot_was_refilled_fails_its_step() -> None:
+    for spoil in ("failed", "refilled"):
+        ranks = SavingRanks()
+        channel = ranks.channels.by_id[ranks.follow(PUBLISHER + 10, OWNER)]
+        _none, saved = ranks.saved_part(0, 1)
+        ranks.job_ends(0, saved, ok=spoil != "failed")
+        if spoil == "refilled":
+            assert ranks.store.try_acquire(PUBLISHER, ranks.layouts[0]) is not None
+            assert ranks.store.try_acquire(PUBLISHER, ranks.layouts[0]) is saved
+        with pytest.raises(StoreError, match=r"part\(s\) \[0\] was given up") as failed:
+            ranks.saved_part(1, 1)
+        assert failed.value.code is ErrorCode.NOT_RETAINED
+        assert ranks.channels.newest(channel) is None and not channel.assembling

@@ -293,3 +293,70 @@ def test_another_user_can_neither_add_a_part_to_a_sharded_version_nor_read_it_un
     finally:
         publisher.kill()
     assert "internal error" not in daemon.log()
+
+
+#: The victim checkpoints (a job the daemon persists and keeps as the slot's checkpoint)
+#: and lives on, so that its job's slot is there to be named.
+SAVER = """
+stager = Stager("{sock}")
+handle = stager.save({{"w": torch.full((8,), 7.0)}}, "{home}/ckpt-1", offsets={{"w": [0]}})
+handle.wait(30)
+say("JOB", handle.job)
+time.sleep(3600)
+"""
+
+#: The attacker publishes a part of "policy" naming a job: every job id around on its own
+#: slot (staged, then committed: only its own job is its), and the victim's layouts.
+FOREIGN_JOB = """
+stager = Stager("{sock}")
+staged = stager.stage({{"w": torch.full((4,), -1.0)}}, offsets={{"w": [0]}})
+def part(job, layout=None, slot=None):
+    body = {{"layout": staged.layout_id if layout is None else layout,
+             "slot": staged.slot if slot is None else slot, "job": job, "name": "policy",
+             "step": 1, "parts": 2, "part": 0, "shapes": {{"w": [8]}}}}
+    try:
+        answer = staged.connection.call("publish", body, timeout=10).body
+        return "published", answer["visible"]
+    except DaemonRefused as exc:
+        return "refused", exc.code
+for job in range(1, {victim_job} + 4):
+    say("STAGED-SLOT", job, *part(job))
+for layout in range(1, 9):
+    say("VICTIM-LAYOUT", layout == staged.layout_id, *part({victim_job}, layout, 0))
+handle = staged.commit("{home}/ckpt-1")
+for job in range(1, handle.job + 3):
+    say("COMMITTED-SLOT", job == handle.job, *part(job))
+handle.wait(30)
+stager.close()
+"""
+
+
+def test_another_user_cannot_publish_a_job_it_does_not_own_as_its_part_of_a_version(
+    shared_daemon, victim: User, attacker: User, arena: Path
+) -> None:
+    daemon = shared_daemon()
+    saver = Actor(victim, SAVER.format(sock=daemon.socket, home=arena / victim.name))
+    try:
+        victim_job = int(saver.wait_line("JOB").split()[1])
+        out = run_as(
+            attacker,
+            FOREIGN_JOB.format(
+                sock=daemon.socket, home=arena / attacker.name, victim_job=victim_job
+            ),
+        )
+        lines = [line.split() for line in out.splitlines()]
+        staged = [line[2:] for line in lines if line[0] == "STAGED-SLOT"]
+        assert staged and all(answer == ["refused", "slot_not_owned"] for answer in staged), out
+        layouts = [line[1:] for line in lines if line[0] == "VICTIM-LAYOUT"]
+        assert len(layouts) == 8 and all(  # its own layout's slot does not hold that job
+            answer in (["False", "refused", "unknown_layout"], ["True", "refused",
+                                                                 "slot_not_owned"])
+            for answer in layouts
+        ), out
+        committed = [line[1:] for line in lines if line[0] == "COMMITTED-SLOT"]
+        assert ["True", "published", "False"] in committed, out  # its own job: its part
+        others = [answer for answer in committed if answer[0] == "False"]
+        assert others and all(answer[1:] == ["refused", "slot_not_owned"] for answer in others)
+    finally:
+        saver.kill()
+    assert "internal error" not in daemon.log()

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shmstage import tree
-from shmstage_client.dcp.writer import _Collected, plan_local
+from shmstage_client.dcp.writer import _Collected, node_part, plan_local
 from shmstage_client.errors import UnsupportedValue
 from shmstage_client.save.guard import Guard
 from shmstage_client.save.publish import Part, Published, publish_flat
@@ -184,25 +184,12 @@ class ShmStagePublisher:
         if self._stager is None:
             stager = Stager(self._socket, **self._stager_options)
             try:
-                self.part, self.parts = _node_part(stager, self._group)
+                self.part, self.parts = node_part(stager, self._group)
             except BaseException:
                 stager.close()
                 raise
             self._stager = stager
         return self._stager
-
-
-def _node_part(stager: Stager, group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This rank's part number among the ranks of ``group`` that share its daemon, and how
-    many they are: one exchange of daemon instance ids."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    instance = stager.daemon_info["instance"]
-    instances: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(instances, instance, group=group)
-    rank = dist.get_rank(group)
-    mine = [other for other, seen in enumerate(instances) if seen == instance]
-    return mine.index(rank), len(mine)
 
 
 @dataclass(frozen=True)

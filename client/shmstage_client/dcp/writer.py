@@ -22,6 +22,13 @@ each rank's node daemon does the staging and the writing. A save, in DCP's order
     wait until both are durable. ``dcp.save`` has no ``stage``: it stages here.
 ``finish`` (coordinator; DCP calls it only when every rank's ``write_data`` succeeded)
     Publish the checkpoint atomically (see ``directory``).
+
+A save armed by ``publish_next`` also hands readers on the node the bytes it checkpoints:
+right after its commit, each rank's ``write_data`` publishes the committed slot as its part
+of version ``step`` of a channel, as ``ShmStagePublisher`` would have published that
+rank's shards (the daemon's *Saved parts*): one copy serves the checkpoint and the
+readers, and the version is visible once every rank of the node published its part,
+while the daemon still writes the files.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -51,7 +59,8 @@ from torch.futures import Future
 
 from shmstage_client.dcp import directory
 from shmstage_client.errors import CheckpointExists, SaveError, UnsupportedValue
-from shmstage_client.save.handle import SaveResult, SaveTimings, TimingViews
+from shmstage_client.save.handle import SaveHandle, SaveResult, SaveTimings, TimingViews
+from shmstage_client.save.publish import Part, Published, check_step, publish_saved, share_gids
 from shmstage_client.save.staged import Staged
 from shmstage_client.save.stager import Stager
 
@@ -105,6 +114,33 @@ class StageStats(TimingViews):
     bytes: int
     timings: SaveTimings
     deferred_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Publish:
+    """What ``publish_next`` armed the next save with: its rank's part of version ``step``
+    of channel ``name``."""
+
+    name: str
+    step: int
+    metadata: Mapping[str, Any]
+    share: tuple[int, ...]
+    part: int
+    parts: int
+    within: float
+
+
+def node_part(stager: Stager, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's part number among the ranks of ``group`` that share its daemon, and how
+    many they are: one exchange of daemon instance ids (a collective: every rank calls it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    instance = stager.daemon_info["instance"]
+    instances: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(instances, instance, group=group)
+    rank = dist.get_rank(group)
+    mine = [other for other, seen in enumerate(instances) if seen == instance]
+    return mine.index(rank), len(mine)
 
 
 def plan_local(state_dict: dict[str, Any]) -> tuple[DefaultSavePlanner, SavePlan]:
@@ -162,11 +198,16 @@ class _Ticket:
         self.mappings: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.state = "staged"  # -> "taken" | "superseded"
+        #: The part of a channel's version this save publishes (``publish_next``), and the
+        #: global shape of each staged shard, for it.
+        self.publish: _Publish | None = None
+        self.shapes: dict[str, list[int]] = {}
 
     def fill(
         self, collected: _Collected, stager: Callable[[], Stager], *, block: bool = True
     ) -> None:
         self.offsets, self.objects = collected.offsets, collected.objects
+        self.shapes = collected.shapes
         self.chunks = {(fqn, tuple(off)) for fqn, off in collected.offsets.items()}
         if collected.tensors:
             self.staged = stager().stage(
@@ -267,6 +308,12 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.last_stage: StageStats | None = None
         self.last_result: SaveResult | None = None
+        #: What this rank's part of the last save armed by ``publish_next`` did.
+        self.last_published: Published | None = None
+        #: The next save's part (``publish_next``), and this rank's part number among the
+        #: ranks on its daemon and their count, agreed at the first ``publish_next``.
+        self._publish_next: _Publish | None = None
+        self._node_part: tuple[int, int] | None = None
 
     def __reduce__(self) -> Any:
         raise TypeError(PROCESS_MODE_REFUSED)
@@ -291,6 +338,64 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         if stager is not None:
             stager.close()
 
+    # -- publishing -------------------------------------------------------------------
+
+    def publish_next(
+        self,
+        name: str,
+        *,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        share: Sequence[int | str] = (),
+        within: float = 60.0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Make the next save through this writer (``async_save``'s ``stage`` or
+        ``dcp.save``) also version ``step`` of channel ``name``, as ``ShmStagePublisher``
+        would publish it: right after each rank's commit, its staged slot — the bytes
+        going to its file, not a second copy — becomes its part of the version, visible
+        to subscribers once every rank of the node published its part (within ``within``
+        seconds of the first, or that step is dropped). The checkpoint is the same as
+        without it.
+
+        Call it on every rank before the save, with the same ``step`` (it must grow from
+        one version to the next); ``metadata``: JSON values readers get with the version
+        (part 0's); ``share``: as for ``ShmStagePublisher``. The first call agrees each
+        rank's part number over ``process_group`` (a collective: not while a save of this
+        writer is in flight). A refused publish fails that save on every rank, as any
+        failure of ``write_data`` does; ``last_published`` says what the rank's part did.
+        """
+        check_step(step)
+        gids = tuple(share_gids(share))
+        if self._node_part is None:
+            self._node_part = node_part(self._get_stager(), process_group)
+        part, parts = self._node_part
+        with self._lock:
+            self._publish_next = _Publish(
+                name, step, dict(metadata or {}), gids, part, parts, within
+            )
+
+    def _take_publish(self) -> _Publish | None:
+        with self._lock:
+            armed, self._publish_next = self._publish_next, None
+        return armed
+
+    def _publish_part(self, ticket: _Ticket, staged: Staged, handle: SaveHandle) -> None:
+        """Publish the slot that ``handle``'s commit just handed to the daemon as this
+        rank's part of the armed version (see ``publish_next``)."""
+        armed = ticket.publish
+        assert armed is not None and handle.job is not None
+        part = Part(armed.part, armed.parts, ticket.shapes, armed.within)
+        self.last_published = None
+        subscribers, visible = publish_saved(
+            staged.connection, staged.layout_id, staged.slot, handle.job, armed.name,
+            armed.step, armed.share, staged.request_timeout, part=part,
+            metadata=armed.metadata,
+        )  # fmt: skip
+        self.last_published = Published(
+            armed.name, armed.step, subscribers, staged.timings, complete=visible
+        )
+
     # -- AsyncStager --------------------------------------------------------------------
 
     def stage(
@@ -304,6 +409,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         the module docstring); ``async_save``'s future reports them.
         """
         ticket = _Ticket()
+        ticket.publish = self._take_publish()
         staged_dict: dict[str, Any] = {_TICKET_KEY: _TicketEntry(ticket)}
         try:
             self._supersede_unclaimed()  # a failed earlier save must not keep its slot
@@ -445,6 +551,7 @@ class ShmStageWriter(StorageWriter, AsyncStager):
         try:
             if ticket is None:  # dcp.save: nothing was staged before planning
                 ticket = _Ticket()
+                ticket.publish = self._take_publish()
                 ticket.fill(_Collected(plan.items, planner.resolve_data), self._get_stager)
                 self._record_stage(ticket.staged)
             results = self._write_rank(ticket, plan.items, info)
@@ -474,10 +581,18 @@ class ShmStageWriter(StorageWriter, AsyncStager):
                 "stages with DefaultSavePlanner's flattening — a planner that renames or adds "
                 "items cannot be used with async_save"
             )
+        if ticket.publish is not None and not (chunks and ticket.staged is not None):
+            raise SaveError(
+                f"rank {info.rank} cannot publish its part of version {ticket.publish.step} "
+                f"of channel {ticket.publish.name!r}: DCP gave every tensor it holds to other "
+                "ranks' files, so it commits no slot to publish; publish this state with "
+                "ShmStagePublisher instead"
+            )
         pending = directory.pending_dir(Path(info.path), info.save_id)
         pending.mkdir(parents=True, exist_ok=True)
         stem = directory.rank_stem(info.rank, info.world_size)
         handle = None
+        published: BaseException | None = None
         if chunks and ticket.staged is not None:
             handle = ticket.staged.commit(
                 directory.rank_dir(pending, info.rank),
@@ -485,6 +600,11 @@ class ShmStageWriter(StorageWriter, AsyncStager):
                 file_metadata=directory.sharding_header(ticket.offsets),
                 metadata={"dcp": {"save_id": info.save_id, "rank": info.rank}},
             )
+            if ticket.publish is not None:
+                try:  # while the daemon writes the file: readers need not wait for it
+                    self._publish_part(ticket, ticket.staged, handle)
+                except Exception as exc:  # raised once the file is durable (below)
+                    published = exc
         else:
             ticket.release()  # every local tensor was deduplicated to other ranks
         results = []
@@ -501,6 +621,8 @@ class ShmStageWriter(StorageWriter, AsyncStager):
             self.last_result = handle.wait(self.timeout)
             location = ChunkLocation(info.rank, stem + directory.DATA_SUFFIX)
             results += [WriteResult(item.index, _nbytes(item), location) for item in chunks]
+        if published is not None:
+            raise published
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -10,7 +10,9 @@ the same bytes, no second copy.
 
 A sharded publisher's rank (``shmstage_client.dcp.ShmStagePublisher``) publishes its
 ``Part`` of each version: its local shards with their offsets and global shapes; the
-daemon shows the version once every rank's part of that step arrived.
+daemon shows the version once every rank's part of that step arrived. A sharded trainer's
+DCP checkpoint (``ShmStageWriter.publish_next``) publishes each rank's committed slot as
+its part the same way (``publish_saved`` with a ``Part``): no second copy either.
 
 The Stager is not thread-safe, and neither is this: it runs on the caller's thread, with
 the Stager's own steps (``Staging``: ``_claim``, ``_copy``), as ``save`` does. ``Staging``
@@ -233,12 +235,24 @@ def publish_saved(
     step: int,
     share: Iterable[int | str],
     timeout: float,
-) -> int:
-    """Publish the slot a save's commit ``job`` just handed to the daemon: its tree and
-    metadata are the commit's. Returns how many subscribers were told."""
-    body = {"layout": layout, "slot": slot, "job": job, "name": name, "step": step}
-    body["share"] = share_gids(share)
-    return int(_call(connection, body, None, timeout)["subscribers"])
+    *,
+    part: Part | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[int, bool]:
+    """Publish the slot a save's commit ``job`` just handed to the daemon: its tree is the
+    commit's, and so is its metadata unless ``metadata`` gives the readers' own. With
+    ``part``, one rank's part of a sharded version (a DCP rank's checkpoint, see
+    ``ShmStageWriter.publish_next``). Returns how many subscribers were told, and whether
+    the version is visible (False: a part waiting for the other ranks' parts)."""
+    body: dict[str, Any] = {"layout": layout, "slot": slot, "job": job, "name": name}
+    body.update(step=check_step(step), share=share_gids(share))
+    if part is not None:
+        body.update(part=part.index, parts=part.count, within=part.within)
+        body["shapes"] = {key: list(shape) for key, shape in part.shapes.items()}
+    if metadata is not None:
+        body["metadata"] = dict(metadata)
+    reply = _call(connection, body, None, timeout)
+    return int(reply["subscribers"]), bool(reply.get("visible", True))
 
 
 def _call(
