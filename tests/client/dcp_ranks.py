@@ -370,13 +370,20 @@ def scenario_publish(r: Rank) -> None:
     step 1 through async_save, then (once the test holds step 1 pinned) step 2 through
     dcp.save and step 3 through async_save again; every checkpoint loads back bit-exactly
     with the stock HF reader."""
+    from shmstage_client.dcp import ShmStagePublisher
+
     ckpt = r.work / "ckpt-publish"
     trainer = r.trainer()
     writer = ShmStageWriter(socket=r.socket, slots=2)
+    # the same state published the usual way, for the reader to compare (kept connected:
+    # a publisher's versions go with it)
+    direct = ShmStagePublisher("dcp-direct", socket=r.socket, process_group=r.checkpoint_group)
     for step in (1, 2, 3):
         trainer.step()
         r.expect(f"pub-{step}", trainer)
         save_local_part(r, trainer, f"pub-{step}")
+        if step == 1:
+            direct.publish(trainer.state(), step=1)
         writer.publish_next(
             "dcp-policy", step=step, metadata={"loss": step / 10},
             process_group=r.checkpoint_group,
@@ -405,6 +412,7 @@ def scenario_publish(r: Rank) -> None:
         dist.barrier()
     wait_file(r.work / "read-3")  # a publisher's versions go with its connection
     writer.close()
+    direct.close()
     for step in (1, 2, 3):
         fresh = r.trainer()
         fresh.load(HuggingFaceStorageReader(str(ckpt / f"step-{step}")), tensors_only=True)

@@ -53,6 +53,16 @@ def read_back(version: ShardedVersion, work: Path, name: str) -> None:
         assert_same(version.part(rank).state(), mine, key_order=False)
 
 
+def same_as_published(saved: ShardedVersion, direct: ShardedVersion) -> None:
+    """What a checkpoint's version shows readers is what ShmStagePublisher's shows: the
+    same parts, each shard where it was, the same bytes (the nesting is DCP's flat keys)."""
+    assert saved.specs == direct.specs
+    assert_same(dict(saved.tensors()), dict(direct.tensors()))
+    for rank in (0, 1):
+        assert saved.sharding(rank) == direct.sharding(rank)
+        assert_same(dict(saved.part(rank).tensors()), dict(direct.part(rank).tensors()))
+
+
 def test_two_ranks_dcp_saves_publish_their_committed_slots_as_one_version_each_step(
     node: RunningDaemon, tmp_path: Path
 ) -> None:
@@ -69,6 +79,10 @@ def test_two_ranks_dcp_saves_publish_their_committed_slots_as_one_version_each_s
                 read_back(version, tmp_path, "pub-1")
                 shards = version.sharding(1)["model.a.weight"]
                 assert (shards.offsets, shards.global_shape) == ((17, 0), (33, 16))
+                other = subscribe("dcp-direct", socket=node.socket)
+                with other, other.wait(timeout=TIMEOUT) as direct:
+                    assert isinstance(direct, ShardedVersion) and direct.parts == 2
+                    same_as_published(version, direct)
                 (tmp_path / "go-2").touch()
                 wait_file(tmp_path / "saved-3-0")
                 wait_file(tmp_path / "saved-3-1")
