@@ -532,7 +532,7 @@ def _raise_fd_limit() -> None:
 def _log_dropped(dropped: Dropped) -> None:
     log.warning(
         "uid %d: step %d of sharded channel %r dropped with parts %s of %d: %s; "
-        "its slots are handed back",
+        "its slots are handed back (a checkpoint's once its file is written)",
         dropped.uid,
         dropped.step,
         dropped.channel,
