@@ -172,6 +172,19 @@ def test_a_frame_of_tiny_maps_is_stopped_at_its_decoding_budget() -> None:
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
 
 
+def test_a_packed_field_no_larger_than_the_budget_decodes_uncounted_and_whole() -> None:
+    """A field of at most ``MAX_DECODED_CONTAINERS`` bytes holds fewer containers than that
+    (each takes a byte at least), so it is decoded without counting them: the most it can
+    hold, empty maps in one array, all come back."""
+    count = MAX_DECODED_CONTAINERS - 5
+    tiny = b"\xdd" + struct.pack(">I", count) + b"\x80" * count
+    assert len(tiny) == MAX_DECODED_CONTAINERS
+    decoded = decode_packed(tiny)
+    assert len(decoded) == count and decoded[0] == decoded[-1] == {}
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_packed(tiny[:-1])  # one map short: malformed, whether counted or not
+
+
 def test_a_large_commit_keeps_its_tree_packed_for_the_daemon_to_decode_once() -> None:
     """A commit's tree of 20,000 tensors is skipped over, not decoded, with the frame: the
     daemon decodes and checks it once per layout and tree (``requests.commit_tree``)."""
