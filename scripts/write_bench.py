@@ -163,7 +163,6 @@ LIMIT = "disk limit (direct I/O)"
 DEFAULTS = {
     "MIN_MEAN_TENSOR_BYTES": gather.MIN_MEAN_TENSOR_BYTES,
     "MAX_REGIONS": gather.MAX_REGIONS,
-    "STRIPE_BYTES": gather.STRIPE_BYTES,
 }
 
 
@@ -174,14 +173,11 @@ def writer_row(variant: str) -> str:
 def use_variant(variant: str) -> None:
     """Set the gathering knobs as ``variant`` says (see ``--variants``)."""
     gather.MIN_MEAN_TENSOR_BYTES = DEFAULTS["MIN_MEAN_TENSOR_BYTES"]  # type: ignore[misc]
-    gather.STRIPE_BYTES = DEFAULTS["STRIPE_BYTES"]
     regions = DEFAULTS["MAX_REGIONS"]
     for option in variant.split("+"):
         key, _, value = option.partition("=")
         if key == "regions":
             regions = max(1, int(value))
-        elif key == "stripes":
-            gather.STRIPE_BYTES = parse_size(value)
         elif key == "small":
             gather.MIN_MEAN_TENSOR_BYTES = 0  # type: ignore[misc]
         elif key != "default":
@@ -251,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="comma list of writers to alternate with the direct-I/O limit, round by round; "
         "each '+'-joined from: default, regions=N (at most N gathering threads; 1: the "
-        "job's alone), small (files of small tensors get several too), stripes=SIZE (the "
-        "regions interleaved in stripes of SIZE, e.g. 32MiB; 0: contiguous)",
+        "job's alone), small (files of small tensors get several too)",
     )
     parser.add_argument("--limit-threads", type=int, default=4)
     parser.add_argument("--skip-limits", action="store_true")

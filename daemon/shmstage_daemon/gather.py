@@ -37,7 +37,6 @@ parts (``shmstage.checksums.combine``).
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import os
@@ -65,12 +64,6 @@ PIECE_BYTES: Final = 1 << 20
 MAX_REGIONS: Final = 4
 MIN_REGION_BYTES: Final = 256 << 20
 MIN_MEAN_TENSOR_BYTES: Final = 512 << 10
-#: Regions interleaved in stripes of this many bytes (rounded to whole chunks), dealt to
-#: the gathering threads in turn, so the disk is written near one front as a single
-#: writer's would be; 0: each thread gathers one contiguous region (the disk written at
-#: as many places as there are threads). Under measurement (``scripts/write_bench.py
-#: --variants default,stripes=N``).
-STRIPE_BYTES = 0
 
 
 #: How long a job keeps retrying to open a segment while the daemon is out of descriptors.
@@ -294,31 +287,31 @@ def in_regions(
     one taking the first; returns every tensor's CRC-32C. The first error of any region
     fails the job's writes, so the others stop at their next chunk, and is raised once
     all have stopped. Does not wait for the writes (the caller drains)."""
-    total = len(header) + layout.nbytes
-    spans = _spans(starts, total, writes.scheduler.chunk_bytes, len(header))
-    offsets = [(len(header) + first, len(header) + last) for first, last in layout.data_offsets()]
-    #: Per thread, per span: the parts of tensors it gathers.
-    plans: list[list[list[Part]]] = [
-        [_span_plan(offsets, lo, hi) for lo, hi in mine] for mine in spans
-    ]
-    checksums: list[list[list[int]]] = [[] for _ in spans]
-    errors: list[BaseException | None] = [None] * len(spans)
+    ends = [*starts[1:], len(header) + layout.nbytes]
+    plans: list[list[Part]] = [[] for _ in starts]
+    for index, (first, last) in enumerate(layout.data_offsets()):
+        offset = len(header) + first  # of the tensor in the file
+        for region, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
+            begin, end = max(lo, offset), min(hi, len(header) + last)
+            if begin < end:
+                plans[region].append((index, begin - offset, end - begin))
+    checksums: list[list[int]] = [[] for _ in starts]
+    errors: list[BaseException | None] = [None] * len(starts)
 
     def gather(region: int) -> None:
         try:
-            for (lo, _), plan in zip(spans[region], plans[region], strict=True):
-                with Gatherer(writes, lo) as data:
-                    if lo == 0:
-                        data.add_bytes(header, "the safetensors header")
-                    checksums[region].append(_gather_plan(data, layout, refs, plan))
-                    data.finish(drain=False)
+            with Gatherer(writes, starts[region]) as data:
+                if region == 0:
+                    data.add_bytes(header, "the safetensors header")
+                checksums[region] = _gather_plan(data, layout, refs, plans[region])
+                data.finish(drain=False)
         except BaseException as exc:
             errors[region] = exc
             writes.fail(exc)
 
     threads = [
         threading.Thread(target=gather, args=(region,), name=f"shmstage-gather-{region}")
-        for region in range(1, len(spans))
+        for region in range(1, len(starts))
     ]
     for thread in threads:
         thread.start()
@@ -328,49 +321,11 @@ def in_regions(
     failed = next((error for error in errors if error is not None), None)
     if failed is not None:
         raise failed
-    parts = [
-        (index, at, nbytes, crc)
-        for mine, sums in zip(plans, checksums, strict=True)
-        for plan, crcs in zip(mine, sums, strict=True)
-        for (index, at, nbytes), crc in zip(plan, crcs, strict=True)
-    ]
-    parts.sort(key=lambda part: (part[0], part[1]))  # each tensor's parts in file order
     whole = [0] * len(layout.tensors)
-    for index, at, nbytes, crc in parts:
-        whole[index] = crc if at == 0 else combine(whole[index], crc, nbytes)
+    for plan, crcs in zip(plans, checksums, strict=True):
+        for (index, at, nbytes), crc in zip(plan, crcs, strict=True):
+            whole[index] = crc if at == 0 else combine(whole[index], crc, nbytes)
     return whole
-
-
-def _spans(
-    starts: Sequence[int], total: int, chunk_bytes: int, header_bytes: int
-) -> list[list[tuple[int, int]]]:
-    """Each gathering thread's spans of the file: its region from ``starts`` (``regions``),
-    or with ``STRIPE_BYTES`` every len(starts)-th stripe from its own on. The first span
-    holds the whole header (its gatherer adds it in one piece)."""
-    if not STRIPE_BYTES:
-        ends = [*starts[1:], total]
-        return [[(lo, hi)] for lo, hi in zip(starts, ends, strict=True)]
-    stripe = max(1, STRIPE_BYTES // chunk_bytes) * chunk_bytes
-    head = max(stripe, -(-header_bytes // chunk_bytes) * chunk_bytes)
-    spans: list[list[tuple[int, int]]] = [[(0, min(head, total))]] + [[] for _ in starts[1:]]
-    for number, lo in enumerate(range(head, total, stripe), 1):
-        spans[number % len(starts)].append((lo, min(lo + stripe, total)))
-    return [mine for mine in spans if mine]
-
-
-def _span_plan(offsets: Sequence[tuple[int, int]], lo: int, hi: int) -> list[Part]:
-    """The parts of tensors (file offsets ``offsets``, ascending) that lie in bytes
-    ``lo:hi``; an empty tensor has none (its checksum is 0)."""
-    first = bisect.bisect_right(offsets, (lo, float("inf"))) - 1
-    plan: list[Part] = []
-    for index in range(max(first, 0), len(offsets)):
-        start, end = offsets[index]
-        if start >= hi:
-            break
-        begin, stop = max(lo, start), min(hi, end)
-        if begin < stop:
-            plan.append((index, begin - start, stop - begin))
-    return plan
 
 
 #: Part of a tensor a region gathers: (tensor index, its first byte, bytes).

@@ -43,17 +43,14 @@ def small_chunks() -> Iterator[scheduler.WriteScheduler]:
     disk.close()
 
 
-@pytest.fixture(params=["one-thread", "regions", "stripes"])
+@pytest.fixture(params=["one-thread", "regions"])
 def gathering(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How the file is gathered: all on the job's thread, or cut into regions of at least
     two chunks on threads of their own, as a file of large tensors is (the thresholds
-    lowered so that a file of a few chunks, of any tensors, is cut), or in stripes of one
-    chunk dealt to those threads in turn."""
-    if request.param in ("regions", "stripes"):
+    lowered so that a file of a few chunks, of any tensors, is cut)."""
+    if request.param == "regions":
         monkeypatch.setattr(gather, "MIN_REGION_BYTES", 2 * CHUNK)
         monkeypatch.setattr(gather, "MIN_MEAN_TENSOR_BYTES", 0)
-    if request.param == "stripes":
-        monkeypatch.setattr(gather, "STRIPE_BYTES", CHUNK)
     return request.param
 
 
@@ -278,14 +275,12 @@ def test_bytes_changed_between_gather_and_write_are_never_published(
 
 
 @pytest.mark.parametrize("buffers, gatherers", [(16, 4), (6, 3), (4, 1)])
-@pytest.mark.parametrize("stripe", [0, CHUNK, 2 * CHUNK])
 def test_a_file_of_large_tensors_is_gathered_in_regions_and_checksummed_whole(
     tmp_path: Path,
     instance_id: str,
     monkeypatch: pytest.MonkeyPatch,
     buffers: int,
     gatherers: int,
-    stripe: int,
 ) -> None:
     """Tensors cut by every region boundary (one spans three regions): each tensor's
     checksum, combined from its parts, is that of its bytes. The job has as many regions,
@@ -293,7 +288,6 @@ def test_a_file_of_large_tensors_is_gathered_in_regions_and_checksummed_whole(
     holds four buffers, and each gatherer more one more)."""
     monkeypatch.setattr(gather, "MIN_REGION_BYTES", 2 * CHUNK)
     monkeypatch.setattr(gather, "MIN_MEAN_TENSOR_BYTES", CHUNK)
-    monkeypatch.setattr(gather, "STRIPE_BYTES", stripe)  # 0: contiguous regions
     used: list[int] = []
     in_regions = gather.in_regions
 
