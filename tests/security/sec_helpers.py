@@ -152,7 +152,7 @@ class Actor:
             err = self.proc.stderr.read()
         else:
             _out, err = self.proc.communicate(timeout=timeout)
-        self._reader.join(5)
+        self._reader.join(30)  # to the pipe's end: at once when it ended (its last lines)
         assert self.proc.returncode == 0, err[-3000:]
         return "\n".join(self.lines)
 
