@@ -88,35 +88,15 @@ class Transport:
         fails with TimeoutError and the caller drops the session.
         """
         async with self._send_lock:
-            view, rest = self._send_now(memoryview(data), list(fds))
-            if view:  # the socket's buffer is full: wait for room, bounded
-                await asyncio.wait_for(self._send_all(view, rest), self.send_timeout)
-
-    def _send_now(self, view: memoryview, fds: list[int]) -> tuple[memoryview, list[int]]:
-        """Send what the socket takes without waiting — usually all of it — and return
-        what is left (and the descriptors not sent yet). Most frames are small and leave
-        at once: no timer and, on Python 3.11, no task per frame (``wait_for`` wraps its
-        awaitable in one), which is a pass of the event loop on every wake-up's path."""
-        if self.closed:
-            raise ConnectionError("connection closed")
-        try:
-            while view:
-                if fds:
-                    sent = socket.send_fds(self.sock, [view], fds)
-                    fds = []
-                else:
-                    sent = self.sock.send(view)
-                view = view[sent:]
-        except (BlockingIOError, InterruptedError):
-            pass
-        return view, fds
+            await asyncio.wait_for(self._send_all(data, fds), self.send_timeout)
 
     @property
     def sending(self) -> bool:
         """A send is under way (what ``unread`` says may not count it yet)."""
         return self._send_lock.locked()
 
-    async def _send_all(self, view: memoryview, fds: Sequence[int]) -> None:
+    async def _send_all(self, data: bytes, fds: Sequence[int]) -> None:
+        view = memoryview(data)
         pending_fds = list(fds)
         while view:
             if self.closed:
