@@ -98,5 +98,6 @@ def test_a_crashed_daemon_finishes_a_private_checkpoint_with_its_owners_rights(
     successor = system_daemon()
     wait_for(lambda: checkpoint.is_complete(home / "held"), 60, "the checkpoint")
     assert checkpoint.verify(home / "held") == []
-    assert "finished job" in successor.log()
+    # the line comes after the rename that made the checkpoint complete
+    wait_for(lambda: "finished job" in successor.log(), 30, "the successor's finished job")
     assert os.stat(home / "held").st_uid == victim.uid
