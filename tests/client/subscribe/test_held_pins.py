@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import RawClient, RunningDaemon, start_daemon, wait_for
+from harness import RawClient, RunningDaemon, wait_for
 from shmstage_client import NoNewVersion, Stager, subscribe
 from shmstage_client.save.publish import Part, publish_flat
 from shmstage_client.statedict import Flattened
@@ -30,16 +29,9 @@ sys.path.insert(0, str(HERE))
 from channel_worker import on_held_pin, state_of, uniform  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def daemon_for_holds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    running = start_daemon(tmp_path_factory.mktemp("held-pins-daemon"))
-    yield running
-    running.discard()
-
-
 @pytest.fixture
-def socket(daemon_for_holds: RunningDaemon) -> str:
-    return str(daemon_for_holds.socket)
+def socket(module_daemon: RunningDaemon) -> str:
+    return str(module_daemon.socket)
 
 
 @pytest.fixture
@@ -198,7 +190,7 @@ def test_a_reader_that_stops_waiting_leaves_nothing_held_or_pinned(
 
 
 def test_a_connections_held_pins_are_bounded_and_a_malformed_hold_is_refused_by_name(
-    socket: str, name: str, daemon_for_holds: RunningDaemon
+    socket: str, name: str, module_daemon: RunningDaemon
 ) -> None:
     client, channel = following(socket, name)
     try:
@@ -233,7 +225,7 @@ def test_a_connections_held_pins_are_bounded_and_a_malformed_hold_is_refused_by_
         with subscriber.wait(timeout=10) as version:
             assert version.step == 1 and pins_on(socket, name) == 1
     assert pins_on(socket, name) == 0
-    assert "internal error" not in daemon_for_holds.log()
+    assert "internal error" not in module_daemon.log()
 
 
 def test_a_daemon_that_does_not_hold_pins_is_followed_by_its_announcements(
