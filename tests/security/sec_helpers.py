@@ -126,13 +126,21 @@ class Actor:
             start_new_session=True,
         )  # fmt: skip
         self.lines: list[str] = []
+        #: What ended the reading before the pipe's end, if anything did: a test told only
+        #: that a line never came would not know whether it was never printed.
+        self.read_error: BaseException | None = None
+        self.reading = True
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        try:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+        except BaseException as exc:
+            self.read_error = exc
+            raise
 
     def wait_line(self, prefix: str, timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
@@ -153,7 +161,9 @@ class Actor:
         else:
             _out, err = self.proc.communicate(timeout=timeout)
         self._reader.join(30)  # to the pipe's end: at once when it ended (its last lines)
+        self.reading = self._reader.is_alive()  # a process it started still holds the pipe
         assert self.proc.returncode == 0, err[-3000:]
+        assert self.read_error is None, f"its output was not read to the end: {self.read_error!r}"
         return "\n".join(self.lines)
 
     def kill(self) -> None:
