@@ -771,6 +771,26 @@ def test_gather_of_a_guarded_non_blocking_save_is_the_state_at_the_call(
         assert_same(load(handle.path), want)
 
 
+def test_reserve_runs_the_gathers_once_so_the_first_save_launches_no_new_kernel(
+    daemon, ckpt: Path
+) -> None:
+    """reserve() gathers the small tensors into the scratch once, device-side, so that the
+    kernels' modules are loaded (CUDA loads them lazily, at a kernel's first launch) before
+    the loop and not inside its first save's copy; nothing reaches the slot meanwhile."""
+    state = {f"w{i}": torch.randn(300 + i, device="cuda") for i in range(200)}
+    with Stager(daemon.socket, slots=1, gather_bytes=1 << 20) as stager:
+        stager.reserve(state)
+        torch.cuda.synchronize()
+        (scratch,) = stager._copier._gatherer._scratch.values()
+        gathered = scratch.cpu().numpy().tobytes()
+        for key, tensor in state.items():
+            assert tensor.cpu().numpy().tobytes() in gathered, key
+        slot = stager._layouts.current.slots[0]
+        assert not any(view.any() for view in slot), "reserve() copied to the host"
+        stager.save(state, ckpt / "a").wait(60)
+    assert_same(load(ckpt / "a"), {k: v.cpu() for k, v in state.items()})
+
+
 def test_gather_falls_back_to_direct_copies_with_one_warning_when_its_scratch_cannot_be_had(
     daemon, ckpt: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -383,9 +383,22 @@ class Gatherer:
         indices: Sequence[int],
         what: str,
     ) -> None:
-        """Make and keep the plan ``copy`` would, with its scratch, copying nothing."""
-        if self.limit > 0 and device not in self._failed:
-            self._prepare(device, layout, destinations, sources, indices, what)
+        """Make and keep the plan ``copy`` would, with its scratch, and gather once into
+        the scratch, never to the host. Why gather now: CUDA loads a kernel's module on its
+        first launch in the process (lazy loading, PyTorch's default), and the gathers'
+        kernels — a uint8 fill, ``_foreach_copy_`` of the bit views — are ones a training
+        step never launched, so the first save paid for loading them inside its copy. Run
+        on the stream the copies use (the caller makes it current, after its own queued
+        work): the next gather into the scratch is ordered after this one."""
+        if self.limit <= 0 or device in self._failed:
+            return
+        prepared = self._prepare(device, layout, destinations, sources, indices, what)
+        if prepared is None or prepared.scratch is None or device.type != "cuda":
+            return
+        for batch, groups, base in zip(
+            prepared.plan.batches, prepared.groups, prepared.bases, strict=True
+        ):
+            _fill(prepared.scratch, base, batch, groups, sources)
 
     def _prepare(
         self,

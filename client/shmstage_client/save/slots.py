@@ -473,13 +473,16 @@ class CopyEngine:
         layout: Layout,
     ) -> None:
         """Plan, now, how a save of these sources with this ``deferred`` mask gathers them,
-        and allocate the scratch, copying nothing (``Stager.reserve``): a first save of
-        100,000 tensors otherwise spends a few tenths of a second on it."""
+        allocate the scratch and launch the gathers' kernels once (``Gatherer.prepare``),
+        copying nothing to the host (``Stager.reserve``): a first save of 100,000 tensors
+        otherwise spends a few tenths of a second on it."""
         with torch.no_grad():
             for device, indices in groups.items():
                 if device.type != "cuda":
                     continue
-                with torch.cuda.stream(self._side(device)):  # where the scratch is used
+                side = self._side(device)
+                side.wait_stream(torch.cuda.current_stream(device))  # the caller's writes
+                with torch.cuda.stream(side):  # where the scratch is used
                     for part, what in zip(_split(indices, deferred), ("now", "later"), strict=True):
                         if part:
                             self._gatherer.prepare(
