@@ -674,15 +674,31 @@ class ShmstageFirst(Method):
 
 
 class ShmstageSteady(Method):
-    """shmstage in steady state: one ``Stager`` whose segments are already registered."""
+    """shmstage in steady state: one ``Stager`` whose layout and every slot are set up.
+
+    ``reserve()`` sets them up before the first timed save, as a training loop would. Before
+    it existed, the row's first repeat was the first fill of the Stager's second slot, which
+    registers and pins it (0.55 s more on an H100 at 8 GiB): a first save, not a steady one.
+    A client without ``reserve()`` gets that first fill untimed instead (``warm_up``)."""
 
     name = "shmstage-steady"
     kind = "shmstage"
-    description = "shmstage, steady state: persistent Stager, registered layout"
+    description = "shmstage, steady state: persistent Stager, every slot set up (reserve())"
 
     def setup(self, state_dict: StateDict) -> None:
         stager_cls = import_stager()
         self.stager = stager_cls(socket=self.ctx.shmstage_socket(), slots=self.ctx.slots)
+        if hasattr(self.stager, "reserve"):
+            self.stager.reserve(state_dict)
+        else:
+            self.warm_up(state_dict, self.ctx.slots)
+
+    def warm_up(self, state_dict: StateDict, saves: int) -> None:
+        """``saves`` untimed saves, each durable before the next."""
+        for index in range(saves):
+            warmup = self.ctx.root / f"{self.name}-warmup-{index}"
+            self.stager.save(state_dict, str(warmup)).wait(timeout=600)
+            shutil.rmtree(warmup, ignore_errors=True)
 
     def run_once(self, state_dict: StateDict, directory: Path) -> Timing:
         t0 = time.perf_counter()
@@ -711,10 +727,7 @@ class ShmstageBusy(ShmstageSteady):
     def setup(self, state_dict: StateDict) -> None:
         super().setup(state_dict)
         self.loop = ComputeLoop(self.device)
-        # The first save registers the layout; it is not what this row is about.
-        warmup = self.ctx.root / "busy-warmup"
-        self.stager.save(state_dict, str(warmup)).wait(timeout=600)
-        shutil.rmtree(warmup, ignore_errors=True)
+        self.warm_up(state_dict, 1)  # the first copy of the process: not this row's subject
         self.note = (
             "step = 8 bf16 8192x8192 matmuls"
             if self.device.type == "cuda"

@@ -130,6 +130,8 @@ class Actor:
         #: that a line never came would not know whether it was never printed.
         self.read_error: BaseException | None = None
         self.reading = True
+        assert self.proc.stdout is not None
+        self._pipe = os.fstat(self.proc.stdout.fileno()).st_ino
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -166,6 +168,29 @@ class Actor:
         assert self.read_error is None, f"its output was not read to the end: {self.read_error!r}"
         return "\n".join(self.lines)
 
+    def pipe_readers(self) -> str:
+        """Who else holds the read end of this actor's stdout, and what this process's
+        threads are doing: for a test whose actor's output went missing in part."""
+        holders = []
+        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+            with contextlib.suppress(OSError):
+                for fd in fd_dir.iterdir():
+                    with contextlib.suppress(OSError):
+                        if os.readlink(fd) == f"pipe:[{self._pipe}]":
+                            holders.append(f"{fd_dir.parent.name}/{fd.name}")
+        frames = sys._current_frames()
+        stacks = [
+            f"{thread.name}: "
+            + " < ".join(
+                f"{f.f_code.co_name}@{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+                for f in _outer(frames.get(thread.ident))
+            )
+            for thread in threading.enumerate()
+        ]
+        return f"pipe:[{self._pipe}] held by (pid/fd, this is {os.getpid()}) {holders}; " + (
+            "threads: " + " | ".join(stacks)
+        )
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, 9)
@@ -180,6 +205,15 @@ class Actor:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def _outer(frame: object, most: int = 4) -> list:
+    """A thread's innermost ``most`` frames."""
+    found = []
+    while frame is not None and len(found) < most:
+        found.append(frame)
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return found
 
 
 #: What code using torch, the client library or the daemon (whose lazy imports, after the
