@@ -208,6 +208,7 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
         slots=args.slots,
         direct_threads=args.direct_threads,
         direct_chunk=args.direct_chunk,
+        paired_limit="disk-limit-direct" in args.methods,
     )
     results = _measure_all(session, spec, ctx)
     for name in BRACKETED:
@@ -223,7 +224,9 @@ def run(session: BenchSession) -> tuple[dict[str, Any], list[Table], list[str]]:
     notes = [
         "stall: until the caller may modify its tensors again; durable: until fsynced.",
         "÷write: durable ÷ buffered raw write + fsync; ÷direct: durable ÷ the disk limit "
-        "(aligned O_DIRECT parallel writes + fsync), same bytes, same run, same filesystem.",
+        "(aligned O_DIRECT parallel writes + fsync), same bytes, same run, same filesystem; "
+        "÷paired: each steady save right after a sample of that limit of its own, the median "
+        "of each save's durable ÷ its sample (the disk's pace drifts within a run).",
         "dirty MiB: peak Dirty+Writeback (/proc/meminfo, every 20 ms) during the save; cache Δ: "
         "file page cache (Cached − Shmem) grown by the time it was durable (first save excluded).",
     ]
@@ -260,6 +263,8 @@ def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
                 "stall_vs_raw_copy": ratio(stall, copy_s),
                 "durable_vs_raw_write": ratio(durable, write_s),
                 "durable_vs_direct": ratio(durable, direct_s),
+                "durable_vs_paired_limit": r.median_detail("durable_vs_paired_limit"),
+                "paired_limit_s": r.median_detail("paired_limit_s"),
                 "restore_s": r.median_detail("restore_s"),  # peers that time one
                 "first_stall_s": r.first.stall_s if r.first else None,
                 "first_durable_s": r.first.durable_s if r.first else None,
@@ -283,6 +288,7 @@ def methods_table(results: list[MethodResult], total_bytes: int) -> Table:
             Column("stall_vs_raw_copy", "÷copy", "x", 6),
             Column("durable_vs_raw_write", "÷write", "x", 6),
             Column("durable_vs_direct", "÷direct", "x", 7),
+            Column("durable_vs_paired_limit", "÷paired", "x", 7),
             Column("first_stall_s", "1st stall"),
             Column("first_durable_s", "1st dur."),
             Column("dirty_writeback_peak_bytes", "dirty MiB", "MiB", 9),

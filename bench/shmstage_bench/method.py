@@ -60,6 +60,9 @@ class BenchContext:
     slots: int = 2
     direct_threads: int = 4
     direct_chunk: int = 8 << 20
+    #: Whether the steady row measures the direct-I/O limit right before each of its saves
+    #: (``ShmstageSteady``): the disk's pace drifts by more than the gap being measured.
+    paired_limit: bool = False
     owns_process_group: bool = False
 
     def ensure_process_group(self) -> None:
