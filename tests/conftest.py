@@ -4,6 +4,7 @@ order in which ``make test``'s workers take the tests (slowest first)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -81,6 +82,31 @@ def discard_every_daemon() -> Iterator[None]:
     yield
     for running in STARTED:
         running.discard()
+
+
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it. Libraries set variables in-process
+    (a Lightning run sets TORCHINDUCTOR_CACHE_DIR and PYTORCH_NVML_BASED_CUDA_CHECK), and
+    a later test in the same worker then ran in another environment: ``user_forks`` forks
+    users' processes only for the environment its server started with, so every security
+    actor after it fell back to ``python -c``."""
+    before = _environment()
+    yield
+    if _environment() != before:
+        current = os.environ.get(_CURRENT)
+        os.environ.clear()
+        os.environ.update(before)
+        if current is not None:
+            os.environ[_CURRENT] = current
+
+
+#: pytest's own variable, changed by every phase of every test.
+_CURRENT = "PYTEST_CURRENT_TEST"
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != _CURRENT}
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import TextIO
 
 #: The server: imports what the users' code does (while root: the interpreter lives under
 #: /root), then forks a helper per request, which forks the user's process and reports.
@@ -117,12 +118,12 @@ os._exit(status)
 """
 
 
-class _Drained:
+class Drained:
     """A pipe read to its end as it fills (a full pipe would stop its writer), then
-    ``read()`` whole."""
+    ``read()`` whole. ``source``: its descriptor, or a text file on it."""
 
-    def __init__(self, fd: int) -> None:
-        self._file = os.fdopen(fd, "r")
+    def __init__(self, source: int | TextIO) -> None:
+        self._file = os.fdopen(source, "r") if isinstance(source, int) else source
         self._text = ""
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
@@ -144,7 +145,7 @@ class Forked:
     def __init__(self, conn: socket.socket, stdout: int, stderr: int) -> None:
         self._conn = conn
         self.stdout = os.fdopen(stdout, "r")
-        self.stderr = _Drained(stderr)
+        self.stderr = Drained(stderr)
         self.returncode: int | None = None
         self.pid = int(self._message(30)["pid"])
 

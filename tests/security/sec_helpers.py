@@ -130,8 +130,15 @@ class Actor:
         #: that a line never came would not know whether it was never printed.
         self.read_error: BaseException | None = None
         self.reading = True
-        assert self.proc.stdout is not None
-        self._pipe = os.fstat(self.proc.stdout.fileno()).st_ino
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        #: Its stderr, drained as it comes. Never ``communicate()``: that reads stdout too,
+        #: beside this actor's reader, and kept whatever lines it got (a Popen actor's last
+        #: lines went missing that way, in a test process whose environment had changed).
+        self._stderr = (
+            self.proc.stderr
+            if isinstance(self.proc, user_forks.Forked)
+            else user_forks.Drained(self.proc.stderr)
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -153,43 +160,17 @@ class Actor:
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.02)
-        stderr = self.proc.stderr.read() if self.proc.poll() is not None else ""
+        stderr = self._stderr.read() if self.proc.poll() is not None else ""
         raise AssertionError(f"no {prefix!r} from {self.lines[-5:]}; stderr {stderr[-2000:]}")
 
     def finish(self, timeout: float = 60) -> str:
-        if isinstance(self.proc, user_forks.Forked):  # its stdout is this actor's to read
-            self.proc.wait(timeout)
-            err = self.proc.stderr.read()
-        else:
-            _out, err = self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout)
+        err = self._stderr.read()
         self._reader.join(30)  # to the pipe's end: at once when it ended (its last lines)
         self.reading = self._reader.is_alive()  # a process it started still holds the pipe
         assert self.proc.returncode == 0, err[-3000:]
         assert self.read_error is None, f"its output was not read to the end: {self.read_error!r}"
         return "\n".join(self.lines)
-
-    def pipe_readers(self) -> str:
-        """Who else holds the read end of this actor's stdout, and what this process's
-        threads are doing: for a test whose actor's output went missing in part."""
-        holders = []
-        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-            with contextlib.suppress(OSError):
-                for fd in fd_dir.iterdir():
-                    with contextlib.suppress(OSError):
-                        if os.readlink(fd) == f"pipe:[{self._pipe}]":
-                            holders.append(f"{fd_dir.parent.name}/{fd.name}")
-        frames = sys._current_frames()
-        stacks = [
-            f"{thread.name}: "
-            + " < ".join(
-                f"{f.f_code.co_name}@{Path(f.f_code.co_filename).name}:{f.f_lineno}"
-                for f in _outer(frames.get(thread.ident))
-            )
-            for thread in threading.enumerate()
-        ]
-        return f"pipe:[{self._pipe}] held by (pid/fd, this is {os.getpid()}) {holders}; " + (
-            "threads: " + " | ".join(stacks)
-        )
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -205,15 +186,6 @@ class Actor:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-
-
-def _outer(frame: object, most: int = 4) -> list:
-    """A thread's innermost ``most`` frames."""
-    found = []
-    while frame is not None and len(found) < most:
-        found.append(frame)
-        frame = frame.f_back  # type: ignore[attr-defined]
-    return found
 
 
 #: What code using torch, the client library or the daemon (whose lazy imports, after the
