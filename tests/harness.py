@@ -206,6 +206,11 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
         time.sleep(0.02)
 
 
+def wait_file(path: Path, timeout: float = 60) -> None:
+    """Wait for ``path`` to exist: how the tests and their rank processes signal each other."""
+    wait_for(path.exists, timeout, f"{path} to appear")
+
+
 def clone(state: object) -> object:
     """A deep copy of a state dict's tensors (detached), the rest as it is: what a
     checkpoint of it must equal."""

@@ -25,6 +25,19 @@ def module_daemon(
     running.discard()
 
 
+@pytest.fixture
+def socket(module_daemon: RunningDaemon) -> str:
+    """The module's daemon's socket, for the tests that only connect (a module with a
+    daemon of its own overrides this)."""
+    return str(module_daemon.socket)
+
+
+@pytest.fixture
+def name(request: pytest.FixtureRequest) -> str:
+    """A channel of this test's own (a channel's versions only grow)."""
+    return request.node.name[:100]
+
+
 @pytest.fixture(scope="module")
 def fork_server() -> Iterator[None]:
     """The server that ``ForkedScript``'s processes are forked from, importing torch once."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for harness
 import torch.distributed.checkpoint as dcp
-from harness import assert_same
+from harness import assert_same, wait_file
 from shmstage_client.dcp import ShmStageReader, ShmStageWriter
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -341,14 +341,6 @@ def scenario_guarded(r: Rank) -> None:
         r.check_full(f"guarded-step-{step}", fresh)
     r.result["deferred"] = deferred
     r.finish()
-
-
-def wait_file(path: Path, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.02)
 
 
 def save_local_part(r: Rank, trainer: Trainer, name: str) -> None:

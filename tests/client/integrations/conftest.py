@@ -15,19 +15,6 @@ import sys
 from typing import Any
 
 import pytest
-from harness import RunningDaemon
-
-
-@pytest.fixture
-def socket(module_daemon: RunningDaemon) -> str:
-    return str(module_daemon.socket)
-
-
-@pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    """A channel of this test's own on the module's daemon."""
-    return request.node.name[:100]
-
 
 #: What importing each integration module does in a fresh interpreter in which Lightning
 #: and torchtitan are absent (a None entry in sys.modules makes every import of that name

@@ -29,17 +29,6 @@ sys.path.insert(0, str(HERE))
 from channel_worker import on_held_pin, state_of, uniform  # noqa: E402
 
 
-@pytest.fixture
-def socket(module_daemon: RunningDaemon) -> str:
-    return str(module_daemon.socket)
-
-
-@pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    """A channel of its own per test (versions of a channel only grow)."""
-    return request.node.name[:100]
-
-
 def pins_on(socket: str, name: str) -> int:
     """The pins the daemon counts on this user's channel ``name`` (``shmstage status``)."""
     with ControlClient(socket) as control:

@@ -29,12 +29,6 @@ def socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     running.discard()
 
 
-@pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    """A channel of its own per test (versions of a channel only grow)."""
-    return request.node.name[:100]
-
-
 def shm_mappings() -> int:
     """This process's mappings of shared memory segments (a ring's slots are some)."""
     lines = Path("/proc/self/maps").read_text().splitlines()

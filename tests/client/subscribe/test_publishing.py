@@ -56,12 +56,6 @@ def socket(daemon_for_channels: RunningDaemon) -> str:
     return str(daemon_for_channels.socket)
 
 
-@pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    """A channel of its own per test (versions of a channel only grow)."""
-    return request.node.name[:100]
-
-
 def worker(
     forks: Any, role: str, *args: Any
 ) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]:

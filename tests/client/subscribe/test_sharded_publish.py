@@ -27,7 +27,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for harness
-from harness import RunningDaemon, assert_same, start_daemon
+from harness import RunningDaemon, assert_same, start_daemon, wait_file
 from shmstage_client import NoNewVersion, subscribe
 from shmstage_client.subscribe.sharded import (
     IncompleteTensor,
@@ -57,14 +57,6 @@ class Net(torch.nn.Module):
 
 def state(model: torch.nn.Module, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "extra": {"step": step, "tag": "sharded"}}
-
-
-def wait_file(path: Path, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.02)
 
 
 def rank_main(rank: int, work: Path, socket: str, node_socket: str) -> None:
