@@ -11,8 +11,11 @@ namespace and its own process group (so that ``killpg`` ends it and what it star
 stdout and stderr the pipes the test reads. A helper process between the two waits for it
 and reports its exit status, as ``Popen`` would.
 
-Only for the environment the server started with: a program run with other variables (some
-are read when a module is imported) goes through ``python -c`` as before (``start`` says so).
+A server imports for the environment it started with (some variables are read when a
+module is imported), so a program run with other variables gets a server of its own: a
+library imported in the test process may change ``os.environ`` for good (Lightning sets
+PYTORCH_NVML_BASED_CUDA_CHECK when imported). Past ``MAX_SERVERS`` environments a program
+goes through ``python -c`` as before (``start`` says so).
 """
 
 from __future__ import annotations
@@ -242,7 +245,10 @@ class Server:
             os.rmdir(self._dir)
 
 
-_server: Server | None = None
+#: Servers kept at once, one per environment (each holds an interpreter with torch).
+MAX_SERVERS = 3
+
+_servers: dict[frozenset[tuple[str, str]], Server] = {}
 _lock = threading.Lock()
 
 
@@ -253,17 +259,18 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start(program: str, env: dict[str, str]) -> Forked | None:
-    """``program`` forked from the server, or None where it must run in its own
-    ``python -c``: with another environment than the server's (the first call's)."""
-    global _server
+    """``program`` forked from the server of its environment (started on first use), or
+    None where it must run in its own ``python -c``: past ``MAX_SERVERS`` environments."""
+    key = _imported_with(env)
     with _lock:
-        if _server is None or _server.proc.poll() is not None:
-            _server = Server(env)
-        if _imported_with(_server.env) != _imported_with(env):
-            return None
-        return _server.start(program, env)
+        server = _servers.get(key)
+        if server is None or server.proc.poll() is not None:
+            if server is None and len(_servers) >= MAX_SERVERS:
+                return None
+            server = _servers[key] = Server(env)
+        return server.start(program, env)
 
 
-def _imported_with(env: dict[str, str]) -> dict[str, str]:
+def _imported_with(env: dict[str, str]) -> frozenset[tuple[str, str]]:
     """What may matter to an import: all but the name of the test pytest is at."""
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    return frozenset((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")

@@ -151,6 +151,10 @@ class Actor:
             self.read_error = exc
             raise
 
+    def stderr(self, timeout: float = 10) -> str:
+        """What it wrote to stderr, once it ended (read as it came)."""
+        return self._stderr.read(timeout)
+
     def wait_line(self, prefix: str, timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -160,12 +164,12 @@ class Actor:
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.02)
-        stderr = self._stderr.read() if self.proc.poll() is not None else ""
+        stderr = self.stderr() if self.proc.poll() is not None else ""
         raise AssertionError(f"no {prefix!r} from {self.lines[-5:]}; stderr {stderr[-2000:]}")
 
     def finish(self, timeout: float = 60) -> str:
         self.proc.wait(timeout)
-        err = self._stderr.read()
+        err = self.stderr()
         self._reader.join(30)  # to the pipe's end: at once when it ended (its last lines)
         self.reading = self._reader.is_alive()  # a process it started still holds the pipe
         assert self.proc.returncode == 0, err[-3000:]

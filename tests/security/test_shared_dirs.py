@@ -78,7 +78,7 @@ def test_a_squatted_fallback_socket_is_refused_by_client_and_daemon(
             """,
         )
         assert own.proc.wait(60) == 2
-        assert f"belongs to uid {attacker.uid}" in own.proc.stderr.read()
+        assert f"belongs to uid {attacker.uid}" in own.stderr()
     finally:
         impostor.stop()  # a daemon: let it remove its lock file and journal
         shutil.rmtree(squatted, ignore_errors=True)  # as root: cleanup, nothing to prove
