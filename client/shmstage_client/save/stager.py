@@ -357,7 +357,9 @@ class Stager:
         checked as ``save()`` does it, the layout registered with every slot the Stager
         wants, each slot faulted in and, for CUDA tensors (``pin``), pinned — on this
         thread, because pinning holds up the process's other CUDA calls and the caller
-        asked for it now. Nothing is copied: the tensors may be uninitialised.
+        asked for it now. Nothing is copied to the slots: the tensors may be uninitialised.
+        Small CUDA tensors are gathered once into the device's scratch, so that the first
+        save does not pay for loading the gathers' kernels (CUDA loads them lazily).
 
         Call it with the state dict the loop will save (the same keys, dtypes, shapes,
         devices and ``offsets``); a save of another structure then registers its own layout
