@@ -547,12 +547,13 @@ def scenario(
             "1",
             "--methods",
             "test-crash,test-hang,test-hang-save,test-leak-fds,raw-copy",
-            # 6 s covers the first child's wait for the fork server to import torch; each
-            # save here (4 MiB, or none) takes milliseconds, so 1 s is plenty for one.
+            # 10 s covers the first child's wait for the fork server to import torch and the
+            # hanging save's own 3 s; each save here (4 MiB, or none) takes milliseconds, yet
+            # raw-copy's took over 1 s once in a fresh clone's full suite on two loaded cores.
             "--method-timeout",
-            "6",
+            "10",
             "--save-timeout",
-            "1",
+            "3",
             env={TEST_METHODS_ENV: "1"},
         ),
         "overlapped": start(
@@ -646,7 +647,7 @@ def test_peer_that_crashes_hangs_or_leaks_is_one_error_row_and_the_report_is_wri
     assert rows["test-hang"]["status"] == "error"
     assert "hung (killed)" in rows["test-hang"]["error"]
     assert rows["test-hang-save"]["status"] == "error"  # its own save deadline, then exit
-    assert rows["test-hang-save"]["error"].startswith("save 2: no result after 1 s")
+    assert rows["test-hang-save"]["error"].startswith("save 2: no result after 3 s")
     assert rows["test-hang-save"]["first_stall_s"] == pytest.approx(0.001)
     assert rows["test-leak-fds"]["status"] == "error"
     assert "Too many open files" in rows["test-leak-fds"]["error"]
