@@ -695,7 +695,10 @@ def test_overlapped_scenario_reports_each_save_and_backpressure_apart(
     assert_ok(rows, *names)
     for name in names[2:5]:
         row = rows[name]
-        assert row["durable_s"] >= row["wall_stall_s"] > 0
+        # Not durable >= stall: a save this small can be durable before save() has returned
+        # (a loaded fresh clone's daemon wrote it while the caller waited for a core: 0.17233
+        # against 0.17240 s); both count from the call.
+        assert row["durable_s"] > 0 and row["wall_stall_s"] > 0
         assert row["backpressure_s"] >= 0
         assert row["stall_net_s"] == pytest.approx(row["wall_stall_s"] - row["backpressure_s"])
         assert row["stall_vs_raw_copy"] > 0
