@@ -86,11 +86,11 @@ def discard_every_daemon() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def environment_restored() -> Iterator[None]:
-    """Each test leaves ``os.environ`` as it found it. Libraries set variables in-process
-    (a Lightning run sets TORCHINDUCTOR_CACHE_DIR and PYTORCH_NVML_BASED_CUDA_CHECK), and
-    a later test in the same worker then ran in another environment: ``user_forks`` forks
-    users' processes only for the environment its server started with, so every security
-    actor after it fell back to ``python -c``."""
+    """Each test leaves ``os.environ`` as it found it: libraries set variables in-process
+    (a Lightning run sets TORCHINDUCTOR_CACHE_DIR), and a later test in the same worker
+    would otherwise run in an environment that depends on which tests came first. (What a
+    module-scoped import sets stays for that module; ``user_forks`` gives such an
+    environment a fork server of its own.)"""
     before = _environment()
     yield
     if _environment() != before:
