@@ -156,6 +156,12 @@ class Structures:
             return None
         return structure, found[0], found[1]
 
+    def expect_repeats(self) -> None:
+        """The next structure flattened will be saved again (``Stager.reserve``, before the
+        loop): remember it even if it is the first, so that the loop's first save finds it
+        instead of flattening and remembering it inside its stall."""
+        self._first = False
+
     def remember(self, state_dict: Any, encoded: Any, packed: bytes, keys: list[str]) -> None:
         """Remember the structure of ``state_dict``, just flattened (``encoded``, packed
         into ``packed``, its tensors under ``keys``); a state dict that is not a container,

@@ -777,7 +777,9 @@ def test_reserve_runs_the_gathers_once_so_the_first_save_launches_no_new_kernel(
     """reserve() gathers the small tensors into the scratch once, device-side, so that the
     kernels' modules are loaded (CUDA loads them lazily, at a kernel's first launch) before
     the loop and not inside its first save's copy; nothing reaches the slot meanwhile."""
-    state = {f"w{i}": torch.randn(300 + i, device="cuda") for i in range(200)}
+    # More tensors than PACK_FROM_TENSORS: only packed small tensors share a segment, and
+    # only tensors that share one are gathered.
+    state = {f"w{i}": torch.randn(300 + i, device="cuda") for i in range(400)}
     with Stager(daemon.socket, slots=1, gather_bytes=1 << 20) as stager:
         stager.reserve(state)
         torch.cuda.synchronize()

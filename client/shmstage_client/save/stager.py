@@ -372,6 +372,7 @@ class Stager:
         timeout = self.request_timeout if timeout is None else timeout
         with collection_paused():
             self._await_landing(Clock())  # a copy in flight may still use the layout
+            self._layouts.structures.expect_repeats()  # remembered here, not in save 1
             flat = Flattened.of(state_dict, offsets, structures=self._layouts.structures)
             flat.check(self._layouts.signature)
             self._reconnect_if_lost()

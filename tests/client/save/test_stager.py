@@ -25,6 +25,7 @@ from shmstage_client import (
     StagingLimitExceeded,
     UnsupportedValue,
     load,
+    statedict,
 )
 from shmstage_client.dtypes import TO_SAFETENSORS
 from shmstage_client.save import slots as slots_module
@@ -703,6 +704,31 @@ def test_after_reserve_the_first_save_registers_nothing_and_finds_every_slot_fau
         assert "added" not in daemon.log()[len(log_before) :]
         assert handles[0].timings.setup_seconds < 0.05, handles[0].timings
     assert_same(load(ckpt / "c1"), state)
+
+
+def test_after_reserve_no_save_of_the_same_structure_flattens_it_again(
+    module_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reserve() remembers the state dict's structure at once (a Stager otherwise first
+    remembers it in its second save, a flatten's cost again inside that save's stall), so
+    the loop's first save already finds its tensors in bulk; the checkpoint is the same."""
+    flattened: list[int] = []
+    full_flatten = statedict._flatten
+
+    def counted(state_dict: object) -> tuple:
+        flattened.append(1)
+        return full_flatten(state_dict)
+
+    monkeypatch.setattr(statedict, "_flatten", counted)  # a spy: counts, changes nothing
+    state = {"model": {f"t{i}": torch.full((64,), float(i)) for i in range(20)}, "step": 7}
+    with Stager(module_daemon.socket, slots=2) as stager:
+        stager.reserve(state)
+        assert len(flattened) == 1
+        for i in range(2):
+            state["model"]["t0"].fill_(i)
+            stager.save(state, tmp_path / f"c{i}").wait(60)
+        assert len(flattened) == 1, "a save after reserve() flattened the structure again"
+    assert_same(load(tmp_path / "c1"), state)
 
 
 def test_reserved_slots_are_faulted_in_on_the_callers_thread(
