@@ -6,6 +6,7 @@ These run only where CUDA is present (the GPU machine); everywhere else they are
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -796,23 +797,32 @@ def test_reserve_runs_the_gathers_once_so_the_first_save_launches_no_new_kernel(
 def test_gather_falls_back_to_direct_copies_with_one_warning_when_its_scratch_cannot_be_had(
     daemon, ckpt: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The process's CUDA memory is capped just above what it holds (a real allocation
-    failure): the scratch is refused, the save copies each tensor directly, bit-exact,
-    and says so once."""
-    state = {f"w{i}": torch.randn(2000, device="cuda") for i in range(2000)}  # 16 MB
+    """The process's CUDA memory is capped at what it holds (a real allocation failure):
+    the scratch is refused, the save copies each tensor directly, bit-exact, and says so
+    once. The cap alone is not enough: a segment the caching allocator keeps for an earlier
+    test's live tensor may have a free block the scratch fits in (it had, in the full GPU
+    run), so the free blocks of 16 MiB or more are taken first; the scratch wants 31 MiB."""
+    state = {f"w{i}": torch.randn(2000, device="cuda") for i in range(4000)}  # 32 MB
+    gc.collect()  # earlier tests' cycles, and the device memory only they still hold
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    reserved = torch.cuda.memory_reserved()
-    torch.cuda.set_per_process_memory_fraction((reserved + (2 << 20)) / total)
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (2 << 20)) / total)
+    balloon = []
+    try:
+        while True:  # ends at the cap: nothing is freed meanwhile
+            balloon.append(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        pass
     try:
         with Stager(daemon.socket, gather_bytes=64 << 20) as stager:
             stager.save(state, ckpt / "a").wait(60)
             stager.save(state, ckpt / "b").wait(60)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        del balloon
     warned = [r for r in caplog.records if "to gather small tensors" in r.getMessage()]
-    assert len(warned) == 1
+    assert len(warned) == 1, torch.cuda.memory_summary(abbreviated=True)
     assert_same(load(ckpt / "b"), _on_cpu(state))
 
 
