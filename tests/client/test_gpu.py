@@ -799,9 +799,10 @@ def test_gather_falls_back_to_direct_copies_with_one_warning_when_its_scratch_ca
 ) -> None:
     """The process's CUDA memory is capped at what it holds (a real allocation failure):
     the scratch is refused, the save copies each tensor directly, bit-exact, and says so
-    once. The cap alone is not enough: a segment the caching allocator keeps for an earlier
-    test's live tensor may have a free block the scratch fits in (it had, in the full GPU
-    run), so the free blocks of 16 MiB or more are taken first; the scratch wants 31 MiB."""
+    once. The cap alone was not enough in the full GPU run (the save gathered, with no
+    warning): a segment the caching allocator keeps for an earlier test's live tensor can
+    have a free block the scratch fits in, so the free blocks of 16 MiB or more are taken
+    first; the scratch wants 31 MiB."""
     state = {f"w{i}": torch.randn(2000, device="cuda") for i in range(4000)}  # 32 MB
     gc.collect()  # earlier tests' cycles, and the device memory only they still hold
     torch.cuda.synchronize()

@@ -359,7 +359,8 @@ class Stager:
         thread, because pinning holds up the process's other CUDA calls and the caller
         asked for it now. Nothing is copied to the slots: the tensors may be uninitialised.
         Small CUDA tensors are gathered once into the device's scratch, so that the first
-        save does not pay for loading the gathers' kernels (CUDA loads them lazily).
+        save does not pay for loading the gathers' kernels (CUDA loads them lazily), and the
+        state dict's structure is remembered, so that no save of it flattens it again.
 
         Call it with the state dict the loop will save (the same keys, dtypes, shapes,
         devices and ``offsets``); a save of another structure then registers its own layout
