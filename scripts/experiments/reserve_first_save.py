@@ -19,12 +19,13 @@ before the next), timing the raw copy into a cudaHostAlloc mirror right before e
 
     python3 scripts/experiments/reserve_first_save.py --saves 3 --between raw,nothing,steps
 
-The suspect (2026-11-28, not yet run on a GPU: the session's device time was spent): CUDA
-loads a kernel's module at its first launch, and the gathers' kernels (a uint8 fill,
-``_foreach_copy_`` of bit views) are ones training never launches. ``reserve()`` now runs
-the gathers once into the scratch; if that was it, save 0 copies as fast as save 1 here.
-``CUDA_MODULE_LOADING=EAGER`` in the environment is the control: every module loaded at
-start, the first save should then be fast with or without the change.
+The suspect was CUDA loading a kernel's module at its first launch: the gathers' kernels
+(a uint8 fill, ``_foreach_copy_`` of bit views) are ones training never launches.
+``CUDA_MODULE_LOADING=EAGER`` in the environment is the control (every module loaded at
+start). Run on an H100, 2026-11-28 (docs/perf/reserve-first-save-h100-1128.txt): with
+``reserve()`` running the gathers once, save 0 copied in 0.145 s like the later saves; what
+was left, 5-9 ms of flattening (``prep``), went once ``reserve()`` remembered the structure:
+save 0 then stalled 1.07x the raw copy, save 1 1.04-1.06x.
 """
 
 from __future__ import annotations
